@@ -1,0 +1,351 @@
+"""The contracts every sync path and engine in weightsync implements.
+
+The shapes follow vLLM's weight-transfer lifecycle so that a backend certified here maps onto vLLM:
+
+    trainer                                   engine (one per receiver rank)
+    -------                                   ------------------------------
+    Sender.init()  -> init_info          ->   Receiver.init_transfer_engine(init_info)
+                                              Receiver.start_weight_update()
+    Sender.prepare(version, tensors)
+        -> update_info                   ->   Receiver.update_weights(update_info)
+    Sender.transmit()        (concurrently with update_weights: the data plane)
+                                              Receiver.finish_weight_update(version)  # atomic commit
+
+`update_info` and `init_info` are JSON-able dicts: they are what a control plane (HTTP) carries.
+Tensors only ever travel on the data plane of the path.
+
+Engines expose an oracle, `read_weights()`, that reads the live parameters without going through
+any sync path; the suites compare it with what the trainer sent.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+FinishReason = Literal["length", "stop", "abort"]
+
+JSON = dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------- errors
+class WeightSyncError(Exception):
+    """Base of every error the harness raises on purpose."""
+
+
+class BackendError(WeightSyncError):
+    """A backend name or import path that cannot be resolved to a factory."""
+
+
+class LifecycleError(WeightSyncError):
+    """A lifecycle call made out of order (e.g. update_weights before start_weight_update)."""
+
+
+class VersionError(WeightSyncError):
+    """A version that is not newer than the one the engine serves."""
+
+
+class UnknownTensorError(WeightSyncError):
+    """A tensor name the engine does not have."""
+
+
+class ManifestMismatch(WeightSyncError):
+    """What arrived does not match the manifest or the engine: dtype, shape, size or digest."""
+
+
+class TransferError(WeightSyncError):
+    """The data plane failed: a peer died, timed out, or delivered a short payload."""
+
+
+class EngineStateError(WeightSyncError):
+    """An engine call that its current state forbids (e.g. resume when not paused)."""
+
+
+# --------------------------------------------------------------------------------------------- requests
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """A token-id request. Sampling is greedy so outputs are comparable across engines."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    """One streamed token, stamped with the weight version that produced it."""
+
+    request_id: str
+    index: int
+    token_id: int | None  # None on the final event of an aborted request that produced nothing more
+    weight_version: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    token_versions: list[int]  # weight version that produced each token
+    finish_reason: FinishReason | None
+
+    @property
+    def versions_seen(self) -> set[int]:
+        return set(self.token_versions)
+
+
+class RequestStream:
+    """A thread-safe stream of TokenEvents for one request; iterate it, or call `result()`."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self._events: list[TokenEvent] = []
+        self._cond = threading.Condition()
+        self._done = False
+
+    # producer side (the engine)
+    def push(self, event: TokenEvent) -> None:
+        with self._cond:
+            if self._done:
+                raise EngineStateError(f"request {self.request.request_id!r} already finished")
+            self._events.append(event)
+            if event.finish_reason is not None:
+                self._done = True
+            self._cond.notify_all()
+
+    # consumer side
+    @property
+    def done(self) -> bool:
+        with self._cond:
+            return self._done
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        i = 0
+        while True:
+            with self._cond:
+                while i >= len(self._events) and not self._done:
+                    self._cond.wait()
+                if i >= len(self._events):
+                    return
+                event = self._events[i]
+            i += 1
+            yield event
+
+    def events_after(self, index: int, timeout: float) -> list[TokenEvent]:
+        """Events from `index` on, waiting up to `timeout` for at least one (for remote pumps)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or len(self._events) > index, timeout)
+            return self._events[index:]
+
+    def wait_for_tokens(self, n: int, timeout: float) -> bool:
+        """Block until n tokens were produced or the request finished; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._done or sum(e.token_id is not None for e in self._events) >= n, timeout
+            )
+
+    def result(self, timeout: float | None = None) -> Completion:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done, timeout):
+                raise TimeoutError(f"request {self.request.request_id!r} did not finish in {timeout}s")
+            events = list(self._events)
+        tokens = [e for e in events if e.token_id is not None]
+        return Completion(
+            request_id=self.request.request_id,
+            token_ids=[e.token_id for e in tokens],  # type: ignore[misc]
+            token_versions=[e.weight_version for e in tokens],
+            finish_reason=events[-1].finish_reason if events else None,
+        )
+
+
+# --------------------------------------------------------------------------------------------- capabilities
+ALL_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend claims. Suites report NOT_SUPPORTED for anything not claimed."""
+
+    dtypes: frozenset[torch.dtype] = frozenset(ALL_DTYPES)
+    delta: bool = False
+    ipc: bool = False
+    gpu: bool = False
+    multi_receiver: bool = False
+    max_receivers: int = 1
+    pause_modes: frozenset[str] = frozenset(PAUSE_MODES)
+    arbitrary_tensors: bool = True  # engine accepts any (name, shape, dtype) spec, not only a fixed model
+
+    def describe(self) -> JSON:
+        return {
+            "dtypes": sorted(str(d).removeprefix("torch.") for d in self.dtypes),
+            "delta": self.delta,
+            "ipc": self.ipc,
+            "gpu": self.gpu,
+            "multi_receiver": self.multi_receiver,
+            "max_receivers": self.max_receivers,
+            "pause_modes": sorted(self.pause_modes),
+            "arbitrary_tensors": self.arbitrary_tensors,
+        }
+
+
+# --------------------------------------------------------------------------------------------- engine
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+WeightSpec = Mapping[str, TensorSpec]
+
+
+class Engine(abc.ABC):
+    """An inference engine that serves token-id requests and holds one committed weight version."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The committed version; changes only at a successful commit."""
+
+    @abc.abstractmethod
+    def weight_spec(self) -> dict[str, TensorSpec]:
+        """Checkpoint names, shapes and dtypes the engine accepts."""
+
+    @abc.abstractmethod
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; tokens stream as they are produced."""
+
+    def generate(self, requests: Sequence[GenerationRequest], timeout: float = 60.0) -> list[Completion]:
+        streams = [self.submit(r) for r in requests]
+        return [s.result(timeout) for s in streams]
+
+    @abc.abstractmethod
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
+        """abort: in-flight requests end with finish_reason 'abort'; wait: return once in-flight
+        requests finished; keep: freeze them and continue after resume. New requests queue."""
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def is_paused(self) -> bool: ...
+
+    @abc.abstractmethod
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """Oracle: the parameters the forward pass uses, by checkpoint name, copied out."""
+
+    @abc.abstractmethod
+    def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Atomically install a verified set of tensors as `version` and invalidate caches.
+        Called by receivers at finish; no forward pass sees a half-applied set."""
+
+    @abc.abstractmethod
+    def reset_prefix_cache(self) -> None: ...
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+# --------------------------------------------------------------------------------------------- paths
+class Sender(abc.ABC):
+    """Trainer side of a sync path."""
+
+    @abc.abstractmethod
+    def init(self) -> JSON:
+        """Set up the data plane; returns the init_info each receiver's init_transfer_engine takes."""
+
+    @abc.abstractmethod
+    def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
+        """Stage `version` for sending; returns the update_info receivers get in update_weights."""
+
+    @abc.abstractmethod
+    def transmit(self) -> None:
+        """Move the prepared bytes on the data plane (runs concurrently with update_weights)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class Receiver(abc.ABC):
+    """Engine side of a sync path, with vLLM's four-phase lifecycle."""
+
+    @abc.abstractmethod
+    def init_transfer_engine(self, init_info: JSON) -> None: ...
+
+    @abc.abstractmethod
+    def start_weight_update(self) -> None: ...
+
+    @abc.abstractmethod
+    def update_weights(self, update_info: JSON) -> None: ...
+
+    @abc.abstractmethod
+    def finish_weight_update(self, version: int) -> None: ...
+
+    @abc.abstractmethod
+    def abort_weight_update(self) -> None:
+        """Discard whatever was staged (beyond vLLM's lifecycle: what a trainer needs when another
+        rank failed); the engine keeps its committed version."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+# --------------------------------------------------------------------------------------------- backends
+@dataclasses.dataclass
+class EngineHandle:
+    """A receiver paired with the engine it delivers into (local objects, or proxies to a rank)."""
+
+    receiver: Receiver
+    engine: Engine
+
+
+class Deployment(abc.ABC):
+    """One trainer-side Sender wired to N engines by one path; what a backend factory builds."""
+
+    sender: Sender
+    handles: list[EngineHandle]
+
+    @abc.abstractmethod
+    def reset(self, spec: WeightSpec | None = None) -> None:
+        """Replace every engine by a fresh one (optionally with a new weight spec), keeping the
+        transport, and run init_transfer_engine on each receiver."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+DEFAULT_ENGINE = "harness.engines.reference:make_engine"
+
+
+class Backend(abc.ABC):
+    """A sync path under test. A factory named by import path returns one of these."""
+
+    name: str
+    capabilities: Capabilities
+
+    @abc.abstractmethod
+    def deploy(
+        self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str = DEFAULT_ENGINE
+    ) -> Deployment:
+        """Build a Sender and `n_receivers` engines, each made by the engine factory named `engine`
+        (an import path `pkg.module:factory` taking the spec) with `spec` (None: its default model)."""

@@ -1,0 +1,75 @@
+"""Deployments: a Sender wired to N engines, and the one driver that pushes a version through it."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable, Mapping
+
+import torch
+
+from harness.api import Deployment, Engine, EngineHandle, Sender, TransferError, WeightSpec
+from harness.paths.base import StagingReceiver
+from harness.registry import make_engine
+
+
+class LocalDeployment(Deployment):
+    """Engines and receivers in this process (disk, and any path whose receiver needs no rank)."""
+
+    def __init__(
+        self,
+        sender: Sender,
+        receiver_cls: Callable[[Engine], StagingReceiver],
+        n_receivers: int,
+        spec: WeightSpec | None,
+        engine: str | None,
+    ):
+        self.sender = sender
+        self._engine_name = engine
+        self.init_info = sender.init()
+        self.handles = []
+        for _ in range(n_receivers):
+            receiver = receiver_cls(make_engine(engine, spec))
+            receiver.init_transfer_engine(self.init_info)
+            self.handles.append(EngineHandle(receiver, receiver.engine))
+
+    def reset(self, spec: WeightSpec | None = None) -> None:
+        for h in self.handles:
+            h.engine.shutdown()
+            h.engine = make_engine(self._engine_name, spec)
+            h.receiver.rebind(h.engine)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.receiver.shutdown()
+            h.engine.shutdown()
+        self.sender.shutdown()
+
+
+def push(
+    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float = 120.0
+) -> None:
+    """The full lifecycle, as a trainer drives it: start on every engine, prepare, then transmit on
+    the data plane while every receiver runs update_weights, then finish(version) everywhere.
+    If any party fails, every receiver discards the update and the first error is re-raised."""
+    handles = deployment.handles
+    for h in handles:
+        h.receiver.start_weight_update()
+    try:
+        update_info = deployment.sender.prepare(version, named_tensors)
+        pool = cf.ThreadPoolExecutor(max_workers=len(handles) + 1, thread_name_prefix="push")
+        futures = [pool.submit(deployment.sender.transmit)]
+        futures += [pool.submit(h.receiver.update_weights, update_info) for h in handles]
+        _, pending = cf.wait(futures, timeout=timeout)
+        pool.shutdown(wait=False)  # a stuck party must not hang the trainer; its error surfaces below
+        if pending:
+            raise TransferError(f"push of version {version}: {len(pending)} part(ies) still running after {timeout}s")
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+    except BaseException:
+        # No engine may commit a version another engine refused: discard everywhere.
+        for h in handles:
+            h.receiver.abort_weight_update()
+        raise
+    for h in handles:
+        h.receiver.finish_weight_update(version)

@@ -1,0 +1,278 @@
+"""The reference engine: the tiny decoder served with continuous batching, a prefix cache and vLLM's
+three pause modes. It is the engine every path is certified against when no other is named.
+
+Concurrency model: one scheduler thread runs steps; every step holds `_lock` for its whole duration,
+and a commit swaps the live parameter dict under the same lock, so no forward pass ever reads a
+half-applied update.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from harness.api import (
+    Engine,
+    EngineStateError,
+    GenerationRequest,
+    ManifestMismatch,
+    PauseMode,
+    RequestStream,
+    TensorSpec,
+    TokenEvent,
+    UnknownTensorError,
+    VersionError,
+    WeightSpec,
+)
+from harness.engines import tiny_lm
+from harness.engines.tiny_lm import FUSED_GROUPS, KVCache, ModelConfig
+from harness.manifest import dtype_name
+
+PREFIX_BLOCK = 4  # prefix-cache granularity in tokens
+
+
+@dataclasses.dataclass
+class _Running:
+    stream: RequestStream
+    seq: int
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+    generated: int = 0
+    cache: KVCache | None = None
+
+
+class ReferenceEngine(Engine):
+    def __init__(
+        self,
+        config: ModelConfig | None = None,
+        extra: WeightSpec | None = None,
+        seed: int = 0,
+        max_batch: int = 8,
+    ):
+        self.config = config or ModelConfig()
+        self.max_batch = max_batch
+        model_spec = tiny_lm.checkpoint_spec(self.config)
+        checkpoint = tiny_lm.init_checkpoint(self.config, seed)
+        # Extra tensors ride along as buffers the forward pass does not read (like a model's non-
+        # parameter state); they let the suites push any dtype and shape through a path.
+        for name, s in (extra or {}).items():
+            if name in model_spec:
+                if model_spec[name] != s:
+                    raise ManifestMismatch(f"extra tensor {name!r} {s} clashes with the model's {model_spec[name]}")
+                continue
+            checkpoint[name] = torch.zeros(s.shape, dtype=s.dtype)
+        self._spec: dict[str, TensorSpec] = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in checkpoint.items()}
+        self._live = tiny_lm.fuse(checkpoint)
+        self._version = 0
+
+        self._lock = threading.RLock()  # held by every step and by commit
+        self._cond = threading.Condition(self._lock)
+        self._waiting: collections.deque[_Running] = collections.deque()
+        self._running: list[_Running] = []
+        self._seq = itertools.count()
+        self._paused = False
+        self._drain_below: int | None = None  # pause(wait): only requests with seq < this may run
+        self._prefix_cache: dict[tuple[int, ...], KVCache] = {}
+        self.prefix_cache_hits = 0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="reference-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ Engine: state
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def weight_spec(self) -> dict[str, TensorSpec]:
+        return dict(self._spec)
+
+    @property
+    def is_paused(self) -> bool:
+        with self._lock:
+            return self._paused
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return {n: t.clone() for n, t in tiny_lm.unfuse(self._live, self.config).items()}
+
+    # ------------------------------------------------------------------ Engine: requests
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r}: empty prompt")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside vocab {self.config.vocab_size}")
+        if request.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
+        stream = RequestStream(request)
+        with self._cond:
+            if self._stopped:
+                raise EngineStateError("engine is shut down")
+            self._waiting.append(_Running(stream, next(self._seq), list(request.prompt_token_ids)))
+            self._cond.notify_all()
+        return stream
+
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be abort, wait or keep, got {mode!r}")
+        with self._cond:
+            if mode == "abort":
+                self._paused = True
+                for r in [*self._running, *self._waiting]:
+                    r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+                self._running.clear()
+                self._waiting.clear()
+            elif mode == "wait":
+                # Everything submitted before this call is in flight and finishes; later ones queue.
+                self._drain_below = next(self._seq)
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: not self._in_flight_below(self._drain_below))
+                self._drain_below = None
+                self._paused = True
+            else:
+                self._paused = True
+            if clear_cache:
+                self._prefix_cache.clear()
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self._prefix_cache.clear()
+
+    # ------------------------------------------------------------------ Engine: commit
+    def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check_update(tensors.keys(), version)
+        for name, t in tensors.items():
+            s = self._spec[name]
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise ManifestMismatch(
+                    f"version {version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
+                    f"engine holds {s.shape} {dtype_name(s.dtype)}"
+                )
+        # Build the whole new live dict first (copy-on-write), then swap it in under the step lock.
+        with self._lock:
+            checkpoint = tiny_lm.unfuse(self._live, self.config)
+        checkpoint.update({n: t.detach().clone() for n, t in tensors.items()})
+        new_live = tiny_lm.fuse(checkpoint)
+        with self._cond:
+            if version <= self._version:  # re-checked: another commit may have landed meanwhile
+                raise VersionError(f"version {version} is not newer than the committed {self._version}")
+            self._live = new_live
+            self._version = version
+            self._prefix_cache.clear()  # cached KV was computed with the old weights
+            self._cond.notify_all()
+
+    def check_update(self, names, version: int) -> None:
+        """Refuse an update before anything is touched: unknown name, partial fused group, old version."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise VersionError(f"version must be an int, got {version!r}")
+        if version <= self._version:
+            raise VersionError(f"version {version} is not newer than the committed {self._version}")
+        names = set(names)
+        unknown = sorted(n for n in names if n not in self._spec)
+        if unknown:
+            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]} (engine has {len(self._spec)})")
+        for parts in FUSED_GROUPS.values():
+            for n in names:
+                for part in parts:
+                    if n.endswith(part):
+                        prefix = n[: -len(part)]
+                        missing = [prefix + p for p in parts if prefix + p not in names]
+                        if missing:
+                            raise ManifestMismatch(
+                                f"version {version}: {n!r} is part of a fused group; {missing} must be sent with it"
+                            )
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            for r in [*self._running, *self._waiting]:
+                r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+            self._running.clear()
+            self._waiting.clear()
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ scheduler
+    def _in_flight_below(self, seq: int | None) -> bool:
+        return seq is not None and any(r.seq < seq for r in [*self._running, *self._waiting])
+
+    def _runnable(self) -> bool:
+        if self._stopped:
+            return True
+        if self._drain_below is not None:
+            return self._in_flight_below(self._drain_below)
+        return not self._paused and bool(self._running or self._waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._runnable)
+                if self._stopped:
+                    return
+                self._step()
+                self._cond.notify_all()
+
+    def _step(self) -> None:
+        """One continuous-batching step: admit, then one token for every running request."""
+        limit = self._drain_below
+        while self._waiting and len(self._running) < self.max_batch:
+            if limit is not None and self._waiting[0].seq >= limit:
+                break
+            self._running.append(self._waiting.popleft())
+        for r in list(self._running):
+            if limit is not None and r.seq >= limit:
+                continue
+            if r.cache is None:
+                logits = self._prefill(r)
+            else:
+                logits, r.cache = tiny_lm.forward(self.config, self._live, r.tokens[-1:], r.cache)
+            token = int(torch.argmax(logits))
+            r.tokens.append(token)
+            r.generated += 1
+            req = r.stream.request
+            finish = None
+            if token in req.stop_token_ids:
+                finish = "stop"
+            elif r.generated >= req.max_tokens:
+                finish = "length"
+            r.stream.push(TokenEvent(req.request_id, r.generated - 1, token, self._version, finish))
+            if finish:
+                self._running.remove(r)
+
+    def _prefill(self, r: _Running) -> torch.Tensor:
+        prompt = r.tokens
+        cached: KVCache | None = None
+        start = 0
+        # longest block-aligned cached prefix that still leaves a token to compute logits from
+        for n in range((len(prompt) - 1) // PREFIX_BLOCK * PREFIX_BLOCK, 0, -PREFIX_BLOCK):
+            hit = self._prefix_cache.get(tuple(prompt[:n]))
+            if hit is not None:
+                cached, start = hit, n
+                self.prefix_cache_hits += 1
+                break
+        logits, cache = tiny_lm.forward(self.config, self._live, prompt[start:], cached)
+        aligned = len(prompt) // PREFIX_BLOCK * PREFIX_BLOCK
+        if aligned:
+            self._prefix_cache[tuple(prompt[:aligned])] = [(k[:, :aligned], v[:, :aligned]) for k, v in cache]
+        r.cache = cache
+        return logits
+
+
+def make_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+    """Engine factory (the default one): the tiny decoder, plus `spec`'s extra tensors."""
+    return ReferenceEngine(extra=spec)
+
+
+def make_tied_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+    """The same with tied input/output embeddings (no lm_head.weight)."""
+    return ReferenceEngine(ModelConfig(tie_word_embeddings=True), extra=spec)

@@ -1,0 +1,343 @@
+"""Receiver ranks as processes: spawn on one host, serve lifecycle and engine calls, supervise.
+
+Each rank process holds one engine and one receiver. The parent talks to it through a pipe carrying
+JSON headers and safetensors frames (harness.wire), and supervises it: a rank that dies is reported
+with its exit code and log tail; a rank that does not answer within the timeout gets its Python
+stacks dumped (faulthandler, SIGUSR1) into its log, is killed, and the call fails. Never a silent hang.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness import wire
+from harness.api import (
+    JSON,
+    Deployment,
+    Engine,
+    EngineHandle,
+    GenerationRequest,
+    PauseMode,
+    Receiver,
+    RequestStream,
+    Sender,
+    TensorSpec,
+    TransferError,
+    WeightSpec,
+)
+from harness.registry import load_object, make_engine
+
+DEFAULT_RPC_TIMEOUT = 120.0
+POLL_INTERVAL = 0.05  # how often a waiting parent checks that the rank is still alive
+
+
+# ============================================================================ rank side
+class _RankServer:
+    def __init__(self, rank: int, receiver_path: str, engine_name: str | None, spec: WeightSpec | None):
+        self.rank = rank
+        self.engine_name = engine_name
+        self.engine = make_engine(engine_name, spec)
+        self.receiver = load_object(receiver_path)(self.engine)
+        self.streams: dict[str, RequestStream] = {}
+
+    def handle(self, op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> tuple[Any, Any]:
+        """Returns (JSON result, tensors or None)."""
+        e, r = self.engine, self.receiver
+        if op == "init_transfer_engine":
+            return r.init_transfer_engine(args["init_info"]), None
+        if op == "start_weight_update":
+            return r.start_weight_update(), None
+        if op == "update_weights":
+            return r.update_weights(args["update_info"]), None
+        if op == "finish_weight_update":
+            return r.finish_weight_update(args["version"]), None
+        if op == "abort_weight_update":
+            return r.abort_weight_update(), None
+        if op == "reset":
+            e.shutdown()
+            self.engine = make_engine(self.engine_name, wire.spec_from_json(args["spec"]))
+            r.rebind(self.engine)
+            self.streams.clear()
+            return None, None
+        if op == "weight_version":
+            return e.weight_version, None
+        if op == "weight_spec":
+            return wire.spec_to_json(e.weight_spec()), None
+        if op == "read_weights":
+            return None, e.read_weights()
+        if op == "commit_weights":
+            return e.commit_weights(tensors or {}, args["version"]), None
+        if op == "submit":
+            req = wire.request_from_json(args["request"])
+            self.streams[req.request_id] = e.submit(req)
+            return None, None
+        if op == "poll":
+            stream = self.streams[args["request_id"]]
+            events = stream.events_after(args["after"], args["wait"])
+            if events and events[-1].finish_reason is not None:
+                self.streams.pop(args["request_id"], None)
+            return [wire.event_to_json(ev) for ev in events], None
+        if op == "pause":
+            return e.pause(args["mode"], args["clear_cache"]), None
+        if op == "resume":
+            return e.resume(), None
+        if op == "is_paused":
+            return e.is_paused, None
+        if op == "reset_prefix_cache":
+            return e.reset_prefix_cache(), None
+        if op == "ping":
+            return os.getpid(), None
+        raise ValueError(f"unknown rank op {op!r}")
+
+
+def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec_json, log_path: str) -> None:
+    """Entry point of a spawned rank process."""
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    torch.set_num_threads(1)  # N ranks share the host's cores
+    try:
+        server = _RankServer(rank, receiver_path, engine_name, wire.spec_from_json(spec_json))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+        conn.send_bytes(wire.dumps({"ok": False, "error": wire.error_to_json(exc)}))
+        raise
+    conn.send_bytes(wire.dumps({"ok": True, "result": os.getpid()}))
+    while True:
+        try:
+            header = wire.loads(conn.recv_bytes())
+        except EOFError:  # parent went away
+            return
+        tensors = wire.tensors_from_bytes(conn.recv_bytes()) if header.get("tensors") else None
+        if header["op"] == "exit":
+            server.engine.shutdown()
+            server.receiver.shutdown()
+            conn.send_bytes(wire.dumps({"ok": True, "result": None}))
+            return
+        try:
+            result, out = server.handle(header["op"], header.get("args", {}), tensors)
+            conn.send_bytes(wire.dumps({"ok": True, "result": result, "tensors": out is not None}))
+            if out is not None:
+                conn.send_bytes(wire.tensors_to_bytes(out))
+        except Exception as exc:  # noqa: BLE001 - every error goes back to the caller
+            print(f"rank {rank}: {header['op']} raised {type(exc).__name__}: {exc}", file=sys.stderr)
+            conn.send_bytes(wire.dumps({"ok": False, "error": wire.error_to_json(exc)}))
+
+
+# ============================================================================ parent side
+class RankProcess:
+    """A supervised rank: call(op, ...) returns its result or raises what the rank raised."""
+
+    def __init__(
+        self,
+        rank: int,
+        receiver_path: str,
+        engine: str | None,
+        spec: WeightSpec | None,
+        log_dir: Path,
+        timeout: float = DEFAULT_RPC_TIMEOUT,
+    ):
+        self.rank = rank
+        self.timeout = timeout
+        self.log_path = log_dir / f"rank{rank}.log"
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=rank_main,
+            args=(child, rank, receiver_path, engine, wire.spec_to_json(spec), str(self.log_path)),
+            name=f"weightsync-rank{rank}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        with self._lock:
+            self._reply("start", timeout)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def call(self, op: str, timeout: float | None = None, tensors: Mapping[str, torch.Tensor] | None = None, **args):
+        with self._lock:
+            if self._broken:
+                raise TransferError(f"rank {self.rank} is unusable: {self._broken}")
+            self._conn.send_bytes(wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
+            if tensors is not None:
+                self._conn.send_bytes(wire.tensors_to_bytes(tensors))
+            return self._reply(op, timeout or self.timeout)
+
+    def _reply(self, op: str, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(POLL_INTERVAL):
+            if not self.process.is_alive():
+                self._broken = f"died with exit code {self.process.exitcode} during {op}"
+                raise TransferError(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                os.kill(self.process.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
+                self.process.join(1.0)
+                self.process.kill()
+                self._broken = f"no reply to {op} within {timeout}s (killed)"
+                raise TransferError(f"rank {self.rank} gave {self._broken}; stacks in {self.log_path}:\n{self.log_tail(40)}")
+        try:
+            header = wire.loads(self._conn.recv_bytes())
+            tensors = wire.tensors_from_bytes(self._conn.recv_bytes()) if header.get("tensors") else None
+        except (EOFError, OSError) as exc:
+            self._broken = f"pipe closed during {op}: {exc}"
+            raise TransferError(f"rank {self.rank} {self._broken}; log tail:\n{self.log_tail()}") from None
+        if not header["ok"]:
+            raise wire.error_from_json(header["error"], f"rank {self.rank}")
+        return tensors if tensors is not None else header["result"]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.is_alive() and not self._broken:
+            try:
+                self.call("exit", timeout=timeout)
+            except Exception:  # noqa: BLE001 - we kill it below anyway
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+        self._conn.close()
+
+
+class RemoteReceiver(Receiver):
+    def __init__(self, rank: RankProcess):
+        self.rank = rank
+
+    def init_transfer_engine(self, init_info: JSON) -> None:
+        self.rank.call("init_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self) -> None:
+        self.rank.call("start_weight_update")
+
+    def update_weights(self, update_info: JSON) -> None:
+        self.rank.call("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, version: int) -> None:
+        self.rank.call("finish_weight_update", version=version)
+
+    def abort_weight_update(self) -> None:
+        self.rank.call("abort_weight_update")
+
+
+class RemoteEngine(Engine):
+    """An engine in a rank process; streams are pumped back by a thread per request."""
+
+    def __init__(self, rank: RankProcess):
+        self.rank = rank
+
+    @property
+    def weight_version(self) -> int:
+        return self.rank.call("weight_version")
+
+    def weight_spec(self) -> dict[str, TensorSpec]:
+        return wire.spec_from_json(self.rank.call("weight_spec")) or {}
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        self.rank.call("submit", request=wire.request_to_json(request))
+        stream = RequestStream(request)
+
+        def pump() -> None:
+            seen = 0
+            while not stream.done:
+                for ev in self.rank.call("poll", request_id=request.request_id, after=seen, wait=0.2):
+                    stream.push(wire.event_from_json(ev))
+                    seen += 1
+
+        threading.Thread(target=pump, name=f"pump-{request.request_id}", daemon=True).start()
+        return stream
+
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
+        self.rank.call("pause", mode=mode, clear_cache=clear_cache)
+
+    def resume(self) -> None:
+        self.rank.call("resume")
+
+    @property
+    def is_paused(self) -> bool:
+        return self.rank.call("is_paused")
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        return self.rank.call("read_weights")
+
+    def commit_weights(self, tensors, version: int) -> None:
+        self.rank.call("commit_weights", tensors=tensors, version=version)
+
+    def reset_prefix_cache(self) -> None:
+        self.rank.call("reset_prefix_cache")
+
+
+class RankDeployment(Deployment):
+    """A Sender in this process (rank 0) and N receiver ranks in spawned processes.
+
+    `connect(init_info_for_rank)` is run for every rank concurrently with the sender's own join,
+    because forming a process group is itself a collective."""
+
+    def __init__(
+        self,
+        sender: Sender,
+        receiver_path: str,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        engine: str | None,
+        workdir: str,
+        rank_init_info: Callable[[JSON, int], JSON],
+        timeout: float = DEFAULT_RPC_TIMEOUT,
+    ):
+        self.sender = sender
+        log_dir = Path(workdir) / "ranks"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.ranks: list[RankProcess] = []
+        try:
+            for i in range(n_receivers):
+                self.ranks.append(RankProcess(i + 1, receiver_path, engine, spec, log_dir, timeout))
+            self.handles = [EngineHandle(RemoteReceiver(r), RemoteEngine(r)) for r in self.ranks]
+            init_info = sender.init()
+            errors: list[BaseException] = []
+
+            def init_one(h: EngineHandle, rank: int) -> None:
+                try:
+                    h.receiver.init_transfer_engine(rank_init_info(init_info, rank))
+                except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=init_one, args=(h, i + 1)) for i, h in enumerate(self.handles)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def reset(self, spec: WeightSpec | None = None) -> None:
+        for r in self.ranks:
+            r.call("reset", spec=wire.spec_to_json(spec))
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.stop()
+        self.sender.shutdown()

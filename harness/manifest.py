@@ -1,0 +1,258 @@
+"""Per-version manifest: what a version holds, how to check it, and how it packs into byte buckets.
+
+Tensors are handled as raw bytes (a uint8 view), so bf16 and fp8 move bit-exact and NaN payloads
+and -0.0 survive: no arithmetic ever touches a value on its way through a path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from harness.api import ManifestMismatch, TensorSpec
+
+# safetensors' dtype names: the manifest speaks the checkpoint format's language.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
+
+BUCKET_ALIGN = 16  # every tensor starts 16-byte aligned inside a bucket so typed views are legal
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ManifestMismatch(f"dtype {dtype} is not supported by the manifest") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES_BY_NAME[name]
+    except KeyError:
+        raise ManifestMismatch(f"unknown dtype name {name!r}; known: {sorted(DTYPES_BY_NAME)}") from None
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view (or contiguous copy) of the tensor's bytes; works for 0-d and empty tensors."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(raw: torch.Tensor, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of as_bytes: reinterpret a flat uint8 tensor as (shape, dtype) without converting."""
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """xxh3-128 of the tensor's raw bytes (CPU copy for device tensors)."""
+    raw = as_bytes(tensor)
+    if raw.device.type != "cpu":
+        raw = raw.cpu()
+    return xxhash.xxh3_128_hexdigest(memoryview(raw.numpy()))
+
+
+def _align(n: int) -> int:
+    return (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name
+    nbytes: int
+    digest: str
+    bucket: int
+    offset: int  # byte offset inside its bucket
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.shape, self.torch_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Names, shapes, dtypes, byte sizes and digests of one version, plus its bucket plan."""
+
+    version: int
+    entries: tuple[TensorEntry, ...]
+    bucket_sizes: tuple[int, ...]
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(
+        cls,
+        version: int,
+        named_tensors: Mapping[str, torch.Tensor],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> Manifest:
+        """Digest every tensor and pack them, in the given order, into buckets of at most
+        `bucket_bytes` (a tensor larger than that gets a bucket of its own)."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        entries: list[TensorEntry] = []
+        sizes: list[int] = []
+        used = None  # bytes used in the open bucket; None: no bucket open
+        for name, tensor in named_tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ManifestMismatch(f"version {version}: {name!r} is a {type(tensor).__name__}, not a tensor")
+            nbytes = tensor.numel() * tensor.element_size()
+            if used is None or (used > 0 and _align(used) + nbytes > bucket_bytes):
+                sizes.append(0)
+                used = 0
+            offset = _align(used)
+            used = offset + nbytes
+            sizes[-1] = used
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    shape=tuple(tensor.shape),
+                    dtype=dtype_name(tensor.dtype),
+                    nbytes=nbytes,
+                    digest=digest(tensor),
+                    bucket=len(sizes) - 1,
+                    offset=offset,
+                )
+            )
+        return cls(version=version, entries=tuple(entries), bucket_sizes=tuple(sizes))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise ManifestMismatch(f"version {self.version}: tensor {name!r} is not in the manifest")
+
+    def bucket_entries(self, bucket: int) -> list[TensorEntry]:
+        return [e for e in self.entries if e.bucket == bucket]
+
+    # ------------------------------------------------------------------ checks
+    def verify(self, name: str, tensor: torch.Tensor) -> None:
+        """Raise ManifestMismatch naming the tensor and version unless it matches its entry bit for bit."""
+        e = self.entry(name)
+        if tuple(tensor.shape) != e.shape or dtype_name(tensor.dtype) != e.dtype:
+            raise ManifestMismatch(
+                f"version {self.version}: tensor {name!r} arrived as {tuple(tensor.shape)} "
+                f"{dtype_name(tensor.dtype)}, manifest says {e.shape} {e.dtype}"
+            )
+        got = digest(tensor)
+        if got != e.digest:
+            raise ManifestMismatch(
+                f"version {self.version}: tensor {name!r} digest {got} != manifest {e.digest} "
+                f"({e.nbytes} bytes): the payload was corrupted or truncated"
+            )
+
+    # ------------------------------------------------------------------ buckets
+    def pack_bucket(self, bucket: int, named_tensors: Mapping[str, torch.Tensor], device=None) -> torch.Tensor:
+        """One flat uint8 buffer holding every tensor of `bucket` at its planned offset."""
+        buf = torch.zeros(self.bucket_sizes[bucket], dtype=torch.uint8, device=device)
+        for e in self.bucket_entries(bucket):
+            if e.nbytes:
+                buf[e.offset : e.offset + e.nbytes].copy_(as_bytes(named_tensors[e.name]))
+        return buf
+
+    def unpack_bucket(self, bucket: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed copies of every tensor of `bucket` out of its flat buffer."""
+        if buf.numel() != self.bucket_sizes[bucket]:
+            raise ManifestMismatch(
+                f"version {self.version}: bucket {bucket} has {buf.numel()} bytes, plan says "
+                f"{self.bucket_sizes[bucket]}"
+            )
+        return {
+            e.name: from_bytes(buf[e.offset : e.offset + e.nbytes].clone(), e.shape, e.torch_dtype)
+            for e in self.bucket_entries(bucket)
+        }
+
+    # ------------------------------------------------------------------ wire format
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "bucket_sizes": list(self.bucket_sizes),
+            "entries": [
+                {
+                    "name": e.name,
+                    "shape": list(e.shape),
+                    "dtype": e.dtype,
+                    "nbytes": e.nbytes,
+                    "digest": e.digest,
+                    "bucket": e.bucket,
+                    "offset": e.offset,
+                }
+                for e in self.entries
+            ],
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Manifest:
+        """Parse and validate; anything malformed raises ManifestMismatch saying what."""
+        try:
+            version = data["version"]
+            if not isinstance(version, int) or isinstance(version, bool):
+                raise ManifestMismatch(f"manifest version must be an int, got {version!r}")
+            sizes = tuple(int(s) for s in data["bucket_sizes"])
+            entries = []
+            for raw in data["entries"]:
+                shape = tuple(int(d) for d in raw["shape"])
+                dtype = str(raw["dtype"])
+                dtype_from_name(dtype)
+                nbytes = int(raw["nbytes"])
+                expected = dtype_from_name(dtype).itemsize
+                for d in shape:
+                    expected *= d
+                if nbytes != expected or any(d < 0 for d in shape):
+                    raise ManifestMismatch(
+                        f"manifest entry {raw['name']!r}: {nbytes} bytes does not fit shape {shape} {dtype}"
+                    )
+                bucket, offset = int(raw["bucket"]), int(raw["offset"])
+                if not (0 <= bucket < len(sizes)) or offset < 0 or offset + nbytes > sizes[bucket]:
+                    raise ManifestMismatch(f"manifest entry {raw['name']!r} lies outside bucket {bucket}")
+                entries.append(TensorEntry(str(raw["name"]), shape, dtype, nbytes, str(raw["digest"]), bucket, offset))
+        except ManifestMismatch:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestMismatch(f"malformed manifest: {type(exc).__name__}: {exc}") from None
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise ManifestMismatch(f"manifest of version {version} lists a tensor twice")
+        return cls(version=version, entries=tuple(entries), bucket_sizes=sizes)
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> Manifest:
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestMismatch(f"manifest is not valid JSON: {exc}") from None
+        return cls.from_json(data)

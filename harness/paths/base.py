@@ -1,0 +1,175 @@
+"""The receiver lifecycle every path shares: stage, verify, then commit atomically.
+
+A path only says how bytes arrive (`_receive`); this class owns the rules: calls in order, names and
+shapes the engine knows, digests that match the manifest, a version newer than the committed one.
+Anything wrong raises a specific error and leaves the engine on its last committed version.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from harness.api import (
+    JSON,
+    Engine,
+    LifecycleError,
+    ManifestMismatch,
+    Receiver,
+    UnknownTensorError,
+    VersionError,
+    WeightSyncError,
+)
+from harness.manifest import Manifest, dtype_name
+
+NEW, READY, UPDATING, FAILED = "new", "ready", "updating", "failed"
+
+
+def manifest_of(update_info: JSON) -> Manifest:
+    if not isinstance(update_info, Mapping) or "manifest" not in update_info:
+        raise ManifestMismatch("update_info carries no 'manifest'")
+    return Manifest.from_json(update_info["manifest"])
+
+
+def check_against_engine(engine: Engine, manifest: Manifest) -> None:
+    """Refuse, naming tensor and version, anything the engine cannot hold."""
+    v = manifest.version
+    if v <= engine.weight_version:
+        raise VersionError(f"version {v} is not newer than the committed {engine.weight_version}")
+    spec = engine.weight_spec()
+    for e in manifest.entries:
+        if e.name not in spec:
+            raise UnknownTensorError(f"version {v}: unknown tensor {e.name!r}")
+        s = spec[e.name]
+        if e.shape != s.shape or e.dtype != dtype_name(s.dtype):
+            raise ManifestMismatch(
+                f"version {v}: tensor {e.name!r} is {e.shape} {e.dtype}, engine holds {s.shape} {dtype_name(s.dtype)}"
+            )
+
+
+class StagingReceiver(Receiver, abc.ABC):
+    """Receiver with the shared lifecycle; subclasses implement `_init` and `_receive`."""
+
+    #: True for collective paths: the receiver must consume the bytes even when it will refuse them,
+    #: or the sender and the other ranks would block on it.
+    must_drain = False
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._state = NEW
+        self._staged: dict[str, torch.Tensor] = {}
+        self._version: int | None = None
+        self._failure: str | None = None
+        self._mutex = threading.Lock()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def rebind(self, engine: Engine) -> None:
+        """Deliver into another engine from now on (the transport stays up)."""
+        with self._mutex:
+            self.engine = engine
+            self._reset(READY if self._state != NEW else NEW)
+
+    def _reset(self, state: str) -> None:
+        self._state = state
+        self._staged = {}
+        self._version = None
+        self._failure = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def init_transfer_engine(self, init_info: JSON) -> None:
+        with self._mutex:
+            if self._state == UPDATING:
+                raise LifecycleError("init_transfer_engine during an update; finish it first")
+            if not isinstance(init_info, Mapping):
+                raise LifecycleError(f"init_info must be a mapping, got {type(init_info).__name__}")
+            self._init(dict(init_info))
+            self._reset(READY)
+
+    def start_weight_update(self) -> None:
+        with self._mutex:
+            if self._state == NEW:
+                raise LifecycleError("start_weight_update before init_transfer_engine")
+            if self._state == UPDATING:
+                raise LifecycleError("start_weight_update while an update is in progress")
+            self._reset(UPDATING)
+
+    def update_weights(self, update_info: JSON) -> None:
+        with self._mutex:
+            if self._state not in (UPDATING, FAILED):
+                raise LifecycleError(f"update_weights outside an update (state {self._state!r}); call start_weight_update")
+            try:
+                manifest = manifest_of(update_info)
+                refusal = None
+                try:
+                    if self._failure:
+                        raise LifecycleError(f"this update already failed: {self._failure}")
+                    check_against_engine(self.engine, manifest)
+                    if self._version is not None and manifest.version != self._version:
+                        raise VersionError(f"update mixes versions {self._version} and {manifest.version}")
+                    twice = sorted(set(manifest.names) & set(self._staged))
+                    if twice:
+                        raise ManifestMismatch(f"version {manifest.version}: tensor(s) {twice[:5]} sent twice")
+                except WeightSyncError as exc:
+                    if not self.must_drain:
+                        raise
+                    refusal = exc
+                received = self._receive(manifest, dict(update_info))
+                if refusal is not None:
+                    raise refusal
+                for name in manifest.names:
+                    if name not in received:
+                        raise ManifestMismatch(f"version {manifest.version}: tensor {name!r} did not arrive")
+                    manifest.verify(name, received[name])
+            except WeightSyncError as exc:
+                # Nothing staged so far may be committed: the update is poisoned until a new start.
+                self._state, self._failure, self._staged = FAILED, str(exc), {}
+                raise
+            self._staged.update(received)
+            self._version = manifest.version
+
+    def finish_weight_update(self, version: int) -> None:
+        with self._mutex:
+            if self._state == FAILED:
+                failure = self._failure
+                self._reset(READY)
+                raise LifecycleError(f"finish_weight_update({version}) after a failed update_weights: {failure}")
+            if self._state != UPDATING:
+                raise LifecycleError(f"finish_weight_update outside an update (state {self._state!r})")
+            if self._version is None:
+                raise LifecycleError(f"finish_weight_update({version}) with nothing received; call update_weights")
+            if version != self._version:
+                raise VersionError(f"finish_weight_update({version}) but the staged tensors are version {self._version}")
+            staged = self._staged
+            try:
+                self.engine.commit_weights(staged, version)
+            finally:
+                self._reset(READY)
+
+    def abort_weight_update(self) -> None:
+        with self._mutex:
+            if self._state == NEW:
+                raise LifecycleError("abort_weight_update before init_transfer_engine")
+            self._reset(READY)
+
+    def shutdown(self) -> None:
+        with self._mutex:
+            self._shutdown()
+            self._reset(NEW)
+
+    # ------------------------------------------------------------------ path hooks
+    @abc.abstractmethod
+    def _init(self, init_info: JSON) -> None:
+        """Connect the data plane."""
+
+    @abc.abstractmethod
+    def _receive(self, manifest: Manifest, update_info: JSON) -> dict[str, torch.Tensor]:
+        """Fetch every tensor of `manifest` (copies, on CPU); the base class verifies them."""
+
+    def _shutdown(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,195 @@
+"""Collective broadcast of packed byte buckets from the trainer (rank 0) to N receiver ranks.
+
+gloo on CPU, NCCL on CUDA, same code. Groups are built explicitly from a TCPStore (not the global
+default group), so a trainer can hold several and a rank can rebuild one after a fault. A collective
+that does not complete within `timeout_s` raises, and the caller gets a TransferError: a dead or
+stalled rank makes the others fail in bounded time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from harness.api import JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest
+from harness.paths.base import StagingReceiver
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def make_group(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float, store=None):
+    """A process group of `world` ranks rendezvousing at addr:port; rank 0 hosts the store."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore("weightsync/broadcast/", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    raise ValueError(f"broadcast backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast(group, buf: torch.Tensor, what: str) -> None:
+    try:
+        group.broadcast(buf, 0).wait()
+    except RuntimeError as exc:
+        raise TransferError(f"broadcast of {what} failed: {exc}") from None
+
+
+class BroadcastSender(Sender):
+    def __init__(
+        self,
+        n_receivers: int,
+        backend: str = "gloo",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        addr: str | None = None,
+        local_rank: int = 0,
+    ):
+        self.world = n_receivers + 1
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.addr = addr or os.environ.get("WEIGHTSYNC_MASTER_ADDR", "127.0.0.1")
+        self.device = device_for(backend, local_rank)
+        self._group = None
+        self._join: threading.Thread | None = None
+        self._join_error: BaseException | None = None
+        self._prepared: tuple[Manifest, Mapping[str, torch.Tensor]] | None = None
+
+    def init(self) -> JSON:
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        store = dist.TCPStore(self.addr, 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False)
+        self._store = store
+
+        def join() -> None:  # forming the group is collective: it completes once every rank joined
+            try:
+                self._group = make_group(self.backend, self.addr, store.port, 0, self.world, self.timeout_s, store)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by transmit()
+                self._join_error = exc
+
+        self._join = threading.Thread(target=join, name="broadcast-join", daemon=True)
+        self._join.start()
+        return {
+            "master_addr": self.addr,
+            "master_port": store.port,
+            "world_size": self.world,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+        }
+
+    def _wait_group(self):
+        if self._join is not None:
+            self._join.join(self.timeout_s)
+            if self._join.is_alive():
+                raise TransferError(f"receivers did not join the {self.backend} group within {self.timeout_s}s")
+            self._join = None
+        if self._join_error is not None:
+            raise TransferError(f"forming the {self.backend} group failed: {self._join_error}")
+        if self._group is None:
+            raise TransferError("broadcast sender not initialised; call init()")
+        return self._group
+
+    def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
+        manifest = Manifest.build(version, named_tensors, self.bucket_bytes)
+        self._prepared = (manifest, named_tensors)
+        return {"manifest": manifest.to_json()}
+
+    def transmit(self) -> None:
+        if self._prepared is None:
+            raise TransferError("transmit() without prepare()")
+        manifest, tensors = self._prepared
+        self._prepared = None
+        group = self._wait_group()
+        for b in range(len(manifest.bucket_sizes)):
+            buf = manifest.pack_bucket(b, tensors, device=self.device)
+            _broadcast(group, buf, f"version {manifest.version} bucket {b}/{len(manifest.bucket_sizes)}")
+
+    def shutdown(self) -> None:
+        self._group = None
+
+
+class BroadcastReceiver(StagingReceiver):
+    must_drain = True  # a refusing rank still consumes every bucket, or the collective would hang
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self._group = None
+        self.device = torch.device("cpu")
+
+    def _init(self, init_info: JSON) -> None:
+        try:
+            backend = init_info.get("backend", "gloo")
+            rank, world = int(init_info["rank"]), int(init_info["world_size"])
+            self.device = device_for(backend, int(init_info.get("local_rank", rank)))
+            self._group = make_group(
+                backend,
+                str(init_info["master_addr"]),
+                int(init_info["master_port"]),
+                rank,
+                world,
+                float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S)),
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ManifestMismatch(f"bad init_info for broadcast: {type(exc).__name__}: {exc}") from None
+        except RuntimeError as exc:
+            raise TransferError(f"joining the broadcast group failed: {exc}") from None
+
+    def _receive(self, manifest: Manifest, update_info: JSON) -> dict[str, torch.Tensor]:
+        if self._group is None:
+            raise TransferError("broadcast receiver has no group; init_transfer_engine first")
+        out: dict[str, torch.Tensor] = {}
+        for b, size in enumerate(manifest.bucket_sizes):
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            _broadcast(self._group, buf, f"version {manifest.version} bucket {b}/{len(manifest.bucket_sizes)}")
+            out.update(manifest.unpack_bucket(b, buf.cpu()))
+        return out
+
+    def _shutdown(self) -> None:
+        self._group = None
+
+
+class BroadcastBackend(Backend):
+    """Built-in backend `broadcast`: rank 0 in this process, receivers in spawned rank processes."""
+
+    name = "broadcast"
+
+    def __init__(self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.capabilities = Capabilities(multi_receiver=True, max_receivers=16, gpu=backend == "nccl")
+
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+        from harness.launch import RankDeployment
+
+        return RankDeployment(
+            sender=BroadcastSender(n_receivers, self.backend, self.bucket_bytes, self.timeout_s),
+            receiver_path="harness.paths.broadcast:BroadcastReceiver",
+            n_receivers=n_receivers,
+            spec=spec,
+            engine=engine,
+            workdir=workdir,
+            rank_init_info=lambda info, rank: {**info, "rank": rank},
+            timeout=self.timeout_s * 2,
+        )
+
+
+def make_backend() -> BroadcastBackend:
+    return BroadcastBackend()

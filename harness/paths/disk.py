@@ -1,0 +1,174 @@
+"""Checkpoint to disk and reload: safetensors shards on a (shared) filesystem.
+
+Commit protocol of the writer: shards into a private temporary directory, each fsynced; the manifest
+written last and fsynced; the directory fsynced, then renamed atomically to `v<version>`. A reader
+that sees `v<version>` therefore sees a complete checkpoint, and it still verifies every digest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from harness.api import JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.manifest import Manifest
+from harness.paths.base import StagingReceiver
+
+MANIFEST_FILE = "manifest.json"
+DEFAULT_SHARD_BYTES = 256 << 20
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:010d}"
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def shard_name(bucket: int) -> str:
+    return f"shard-{bucket:05d}.safetensors"
+
+
+def write_checkpoint(root: Path, manifest: Manifest, named_tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Write `manifest`'s version under `root` with the commit protocol above; returns its directory."""
+    final = version_dir(root, manifest.version)
+    if final.exists():
+        raise TransferError(f"checkpoint {final} already exists; versions are written once")
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        seen_storage: set[int] = set()
+        for bucket in range(len(manifest.bucket_sizes)):
+            shard = {}
+            for e in manifest.bucket_entries(bucket):
+                t = named_tensors[e.name].detach().contiguous()
+                ptr = t.untyped_storage().data_ptr()
+                if t.numel() and ptr in seen_storage:  # tied weights: safetensors refuses shared storage
+                    t = t.clone()
+                seen_storage.add(ptr)
+                shard[e.name] = t
+            path = tmp / shard_name(bucket)
+            safetensors.torch.save_file(shard, str(path), metadata={"version": str(manifest.version)})
+            _fsync_file(path)
+        mpath = tmp / MANIFEST_FILE
+        mpath.write_text(manifest.dumps())
+        _fsync_file(mpath)
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_checkpoint(directory: Path, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Load every tensor of `manifest` from its shards (the caller verifies digests)."""
+    out: dict[str, torch.Tensor] = {}
+    for bucket in range(len(manifest.bucket_sizes)):
+        path = directory / shard_name(bucket)
+        try:
+            loaded = safetensors.torch.load_file(str(path))
+        except (OSError, safetensors.SafetensorError) as exc:
+            raise ManifestMismatch(f"version {manifest.version}: shard {path} unreadable: {exc}") from None
+        for e in manifest.bucket_entries(bucket):
+            if e.name in loaded:
+                out[e.name] = loaded[e.name]
+    return out
+
+
+class DiskSender(Sender):
+    def __init__(self, root: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES, keep_versions: int = 2):
+        self.root = Path(root)
+        self.shard_bytes = shard_bytes
+        self.keep_versions = keep_versions
+        self._written: list[Path] = []
+
+    def init(self) -> JSON:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return {"root": str(self.root)}
+
+    def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
+        manifest = Manifest.build(version, named_tensors, self.shard_bytes)
+        directory = write_checkpoint(self.root, manifest, named_tensors)
+        self._written.append(directory)
+        # old versions go once newer ones exist; readers of the newest are never disturbed
+        while len(self._written) > self.keep_versions:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        return {"path": str(directory), "manifest": manifest.to_json()}
+
+    def transmit(self) -> None:
+        """Nothing to do: the checkpoint was committed by prepare()."""
+
+
+class DiskReceiver(StagingReceiver):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.root: Path | None = None
+
+    def _init(self, init_info: JSON) -> None:
+        if "root" not in init_info:
+            raise ManifestMismatch("init_info for disk needs 'root'")
+        self.root = Path(init_info["root"]).resolve()
+
+    def _receive(self, manifest: Manifest, update_info: JSON) -> dict[str, torch.Tensor]:
+        assert self.root is not None
+        directory = Path(str(update_info.get("path", ""))).resolve()
+        if not directory.is_relative_to(self.root):
+            raise ManifestMismatch(f"checkpoint path {directory} is outside the allowed root {self.root}")
+        mpath = directory / MANIFEST_FILE
+        try:
+            on_disk = Manifest.loads(mpath.read_bytes())
+        except FileNotFoundError:
+            raise ManifestMismatch(f"version {manifest.version}: {mpath} missing: checkpoint not committed") from None
+        if on_disk != manifest:
+            raise ManifestMismatch(
+                f"version {manifest.version}: the checkpoint at {directory} (version {on_disk.version}) is not "
+                "the one announced in update_info"
+            )
+        return read_checkpoint(directory, manifest)
+
+
+class DiskBackend(Backend):
+    """Built-in backend `disk`: one writer, N in-process readers of a directory."""
+
+    name = "disk"
+    capabilities = Capabilities(multi_receiver=True, max_receivers=8)
+
+    def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES):
+        self.shard_bytes = shard_bytes
+
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+        from harness.deployment import LocalDeployment
+
+        return LocalDeployment(
+            sender=DiskSender(Path(workdir) / "checkpoints", self.shard_bytes),
+            receiver_cls=DiskReceiver,
+            n_receivers=n_receivers,
+            spec=spec,
+            engine=engine,
+        )
+
+
+def make_backend() -> DiskBackend:
+    return DiskBackend()
+

@@ -1,0 +1,94 @@
+"""Encoding of control messages between processes: JSON for metadata, safetensors for tensors.
+
+Never pickle: a rank or a server only ever parses JSON and safetensors bytes.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import json
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from harness import api
+from harness.api import Completion, GenerationRequest, TensorSpec, TokenEvent, WeightSpec
+from harness.manifest import dtype_from_name, dtype_name
+
+
+def spec_to_json(spec: WeightSpec | None) -> dict[str, Any] | None:
+    if spec is None:
+        return None
+    return {n: {"shape": list(s.shape), "dtype": dtype_name(s.dtype)} for n, s in spec.items()}
+
+
+def spec_from_json(data: Mapping[str, Any] | None) -> dict[str, TensorSpec] | None:
+    if data is None:
+        return None
+    return {n: TensorSpec(tuple(int(d) for d in s["shape"]), dtype_from_name(s["dtype"])) for n, s in data.items()}
+
+
+def request_to_json(r: GenerationRequest) -> dict[str, Any]:
+    return dataclasses.asdict(r)
+
+
+def request_from_json(d: Mapping[str, Any]) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=str(d["request_id"]),
+        prompt_token_ids=tuple(int(t) for t in d["prompt_token_ids"]),
+        max_tokens=int(d["max_tokens"]),
+        stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
+    )
+
+
+def event_to_json(e: TokenEvent) -> dict[str, Any]:
+    return dataclasses.asdict(e)
+
+
+def event_from_json(d: Mapping[str, Any]) -> TokenEvent:
+    return TokenEvent(**d)
+
+
+def completion_from_json(d: Mapping[str, Any]) -> Completion:
+    return Completion(**d)
+
+
+def tensors_to_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    # safetensors wants contiguous, unshared storage
+    return safetensors.torch.save({n: t.detach().contiguous().clone() for n, t in tensors.items()})
+
+
+def tensors_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load(data)
+
+
+def error_to_json(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+
+
+def error_from_json(d: Mapping[str, Any], where: str) -> BaseException:
+    """Rebuild the error raised on the other side: harness errors and builtins keep their class."""
+    cls = getattr(api, d.get("type", ""), None)
+    if not (isinstance(cls, type) and issubclass(cls, api.WeightSyncError)):
+        cls = getattr(builtins, d.get("type", ""), None)
+        if not (isinstance(cls, type) and issubclass(cls, Exception)):
+            cls = RuntimeError
+    exc = cls(f"{d.get('message', '')} [raised in {where}]")
+    exc.remote_traceback = d.get("traceback", "")  # type: ignore[attr-defined]
+    return exc
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def loads(data: bytes) -> Any:
+    return json.loads(data)
