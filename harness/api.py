@@ -276,6 +276,9 @@ class Sender(abc.ABC):
     def transmit(self) -> None:
         """Move the prepared bytes on the data plane (runs concurrently with update_weights)."""
 
+    def reset(self) -> None:  # noqa: B027 - optional hook
+        """The engines were replaced by fresh ones: forget the versions sent so far."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -321,8 +324,8 @@ class Deployment(abc.ABC):
 
     @abc.abstractmethod
     def reset(self, spec: WeightSpec | None = None) -> None:
-        """Replace every engine by a fresh one (optionally with a new weight spec), keeping the
-        transport, and run init_transfer_engine on each receiver."""
+        """Replace every engine by a fresh one at version 0 (optionally with a new weight spec) and
+        reset the sender; the transport stays up and the receivers stay initialised."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from harness.api import Deployment, Engine, EngineHandle, Sender, TransferError, WeightSpec
+from harness.api import JSON, Deployment, Engine, EngineHandle, Sender, TransferError, WeightSpec
 from harness.paths.base import StagingReceiver
 from harness.registry import make_engine
 
@@ -33,6 +33,7 @@ class LocalDeployment(Deployment):
             self.handles.append(EngineHandle(receiver, receiver.engine))
 
     def reset(self, spec: WeightSpec | None = None) -> None:
+        self.sender.reset()
         for h in self.handles:
             h.engine.shutdown()
             h.engine = make_engine(self._engine_name, spec)
@@ -45,31 +46,40 @@ class LocalDeployment(Deployment):
         self.sender.shutdown()
 
 
+def deliver(
+    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float = 120.0
+) -> JSON:
+    """prepare(), then the data plane: transmit on the sender while every receiver runs
+    update_weights. Re-raises the first error once every party has returned (or `timeout` passed).
+    Returns the update_info that was delivered."""
+    handles = deployment.handles
+    update_info = deployment.sender.prepare(version, named_tensors)
+    pool = cf.ThreadPoolExecutor(max_workers=len(handles) + 1, thread_name_prefix="deliver")
+    futures = [pool.submit(deployment.sender.transmit)]
+    futures += [pool.submit(h.receiver.update_weights, update_info) for h in handles]
+    _, pending = cf.wait(futures, timeout=timeout)
+    pool.shutdown(wait=False)  # a stuck party must not hang the trainer; the error says who
+    if pending:
+        raise TransferError(f"delivery of version {version}: {len(pending)} part(ies) still running after {timeout}s")
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()
+    return update_info
+
+
 def push(
     deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float = 120.0
 ) -> None:
-    """The full lifecycle, as a trainer drives it: start on every engine, prepare, then transmit on
-    the data plane while every receiver runs update_weights, then finish(version) everywhere.
-    If any party fails, every receiver discards the update and the first error is re-raised."""
-    handles = deployment.handles
-    for h in handles:
+    """The full lifecycle, as a trainer drives it: start on every engine, deliver, finish(version)
+    everywhere. If any party fails, every receiver discards the update and the error is re-raised."""
+    for h in deployment.handles:
         h.receiver.start_weight_update()
     try:
-        update_info = deployment.sender.prepare(version, named_tensors)
-        pool = cf.ThreadPoolExecutor(max_workers=len(handles) + 1, thread_name_prefix="push")
-        futures = [pool.submit(deployment.sender.transmit)]
-        futures += [pool.submit(h.receiver.update_weights, update_info) for h in handles]
-        _, pending = cf.wait(futures, timeout=timeout)
-        pool.shutdown(wait=False)  # a stuck party must not hang the trainer; its error surfaces below
-        if pending:
-            raise TransferError(f"push of version {version}: {len(pending)} part(ies) still running after {timeout}s")
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise errors[0]
+        deliver(deployment, version, named_tensors, timeout)
     except BaseException:
         # No engine may commit a version another engine refused: discard everywhere.
-        for h in handles:
+        for h in deployment.handles:
             h.receiver.abort_weight_update()
         raise
-    for h in handles:
+    for h in deployment.handles:
         h.receiver.finish_weight_update(version)

@@ -334,6 +334,7 @@ class RankDeployment(Deployment):
             raise
 
     def reset(self, spec: WeightSpec | None = None) -> None:
+        self.sender.reset()
         for r in self.ranks:
             r.call("reset", spec=wire.spec_to_json(spec))
 

@@ -53,7 +53,10 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view (or contiguous copy) of the tensor's bytes; works for 0-d and empty tensors."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # e.g. a 1-element slice with stride 2 counts as contiguous
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def from_bytes(raw: torch.Tensor, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:

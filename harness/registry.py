@@ -16,6 +16,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": DEFAULT_ENGINE,
     "reference-tied": "harness.engines.reference:make_tied_engine",
+    "reference-bf16": "harness.engines.reference:make_bf16_engine",
 }
 
 

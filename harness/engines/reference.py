@@ -276,3 +276,8 @@ def make_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
 def make_tied_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
     """The same with tied input/output embeddings (no lm_head.weight)."""
     return ReferenceEngine(ModelConfig(tie_word_embeddings=True), extra=spec)
+
+
+def make_bf16_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+    """The tiny decoder in bfloat16, the dtype RL policies are usually served in."""
+    return ReferenceEngine(ModelConfig(dtype=torch.bfloat16), extra=spec)

@@ -97,19 +97,33 @@ def read_checkpoint(directory: Path, manifest: Manifest) -> dict[str, torch.Tens
 
 
 class DiskSender(Sender):
+    """Writes each version once under `root/run-<n>/`; a reset starts a new run directory."""
+
     def __init__(self, root: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES, keep_versions: int = 2):
         self.root = Path(root)
         self.shard_bytes = shard_bytes
         self.keep_versions = keep_versions
         self._written: list[Path] = []
+        self._run = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / f"run-{self._run:04d}"
 
     def init(self) -> JSON:
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         return {"root": str(self.root)}
+
+    def reset(self) -> None:
+        for d in self._written:
+            shutil.rmtree(d, ignore_errors=True)
+        self._written.clear()
+        self._run += 1
+        self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
         manifest = Manifest.build(version, named_tensors, self.shard_bytes)
-        directory = write_checkpoint(self.root, manifest, named_tensors)
+        directory = write_checkpoint(self.run_dir, manifest, named_tensors)
         self._written.append(directory)
         # old versions go once newer ones exist; readers of the newest are never disturbed
         while len(self._written) > self.keep_versions:

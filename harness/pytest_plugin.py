@@ -1,0 +1,234 @@
+"""pytest plugin: select what is under test, print it in the header, provide deployments.
+
+    pytest suites/conformance --weightsync-backend=broadcast --weightsync-receivers=2,3
+    pytest suites/conformance --weightsync-backend=mypkg.sync:make_backend --weightsync-engine=reference
+
+A backend that does not claim a capability a test needs makes that test NOT_SUPPORTED (a skip whose
+reason starts with NOT_SUPPORTED), reported apart from skipped and failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+from harness.api import Backend, Deployment
+from harness.registry import BUILTIN_BACKENDS, engine_path, resolve_backend
+
+NOT_SUPPORTED = "NOT_SUPPORTED"
+
+settings.register_profile(
+    "ci",
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    print_blob=True,
+    phases=list(Phase),
+)
+settings.register_profile("stateful-ci", parent=settings.get_profile("ci"), stateful_step_count=25)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@dataclasses.dataclass
+class Selection:
+    backend_name: str
+    backend: Backend
+    engine: str
+    receivers: list[int]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("weightsync", "weightsync: what is under test")
+    group.addoption(
+        "--weightsync-backend",
+        default=os.environ.get("WEIGHTSYNC_BACKEND", "disk"),
+        help=f"sync path under test: built-in {sorted(BUILTIN_BACKENDS)} or 'pkg.module:factory' (default: disk)",
+    )
+    group.addoption(
+        "--weightsync-engine",
+        default=os.environ.get("WEIGHTSYNC_ENGINE", "reference"),
+        help="engine factory: 'reference', 'reference-tied' or 'pkg.module:factory' (default: reference)",
+    )
+    group.addoption(
+        "--weightsync-receivers",
+        default=os.environ.get("WEIGHTSYNC_RECEIVERS", "auto"),
+        help="comma-separated receiver counts to run each multi-receiver test with (auto: 2,3 when the "
+        "backend claims multi_receiver, else 1)",
+    )
+    group.addoption(
+        "--weightsync-results",
+        default=None,
+        help="write per-test outcomes (passed/failed/skipped/NOT_SUPPORTED, examples) as JSON to this path",
+    )
+
+
+def _selection(config: pytest.Config) -> Selection:
+    sel = getattr(config, "_weightsync_selection", None)
+    if sel is None:
+        name = config.getoption("--weightsync-backend")
+        backend = resolve_backend(name)  # raises BackendError with a specific message
+        engine = engine_path(config.getoption("--weightsync-engine"))
+        raw = config.getoption("--weightsync-receivers")
+        if raw == "auto":
+            receivers = [2, 3] if backend.capabilities.multi_receiver else [1]
+        else:
+            receivers = [int(x) for x in raw.split(",") if x.strip()]
+        sel = Selection(name, backend, engine, receivers)
+        config._weightsync_selection = sel  # type: ignore[attr-defined]
+    return sel
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "requires(*caps): capabilities the backend must claim (else NOT_SUPPORTED)")
+    config._weightsync_outcomes = {}  # type: ignore[attr-defined]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    sel = _selection(config)
+    caps = json.dumps(sel.backend.capabilities.describe(), sort_keys=True)
+    return [
+        f"weightsync: backend={sel.backend_name} ({type(sel.backend).__module__}.{type(sel.backend).__name__})",
+        f"weightsync: engine={sel.engine} receivers={sel.receivers}",
+        f"weightsync: capabilities={caps}",
+        f"weightsync: hypothesis profile={settings._current_profile}",  # noqa: SLF001
+    ]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "n_receivers" in metafunc.fixturenames:
+        counts = _selection(metafunc.config).receivers
+        if not any(m.name == "single_receiver" for m in metafunc.definition.iter_markers()):
+            metafunc.parametrize("n_receivers", counts, ids=[f"{n}rx" for n in counts])
+        else:
+            metafunc.parametrize("n_receivers", counts[:1], ids=[f"{counts[0]}rx"])
+
+
+def require(backend: Backend, *caps: str) -> None:
+    """Skip as NOT_SUPPORTED unless the backend claims every capability in `caps`."""
+    c = backend.capabilities
+    missing = [cap for cap in caps if not getattr(c, cap)]
+    if missing:
+        pytest.skip(f"{NOT_SUPPORTED}: backend {backend.name!r} does not claim {missing}")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    sel = _selection(item.config)
+    for mark in item.iter_markers("requires"):
+        require(sel.backend, *mark.args)
+    n = getattr(item, "callspec", None) and item.callspec.params.get("n_receivers")
+    if n and n > 1 and not sel.backend.capabilities.multi_receiver:
+        pytest.skip(f"{NOT_SUPPORTED}: backend {sel.backend_name!r} does not claim multi_receiver")
+    if n and n > sel.backend.capabilities.max_receivers:
+        pytest.skip(f"{NOT_SUPPORTED}: {n} receivers > max_receivers {sel.backend.capabilities.max_receivers}")
+
+
+class DeploymentPool:
+    """One deployment per receiver count, built on first use and shared by the session."""
+
+    def __init__(self, sel: Selection, workdir: Path):
+        self.sel = sel
+        self.workdir = workdir
+        self._deployments: dict[int, Deployment] = {}
+
+    def get(self, n: int) -> Deployment:
+        if n not in self._deployments:
+            wd = self.workdir / f"{self.sel.backend_name.replace(':', '_').replace('/', '_')}-{n}rx"
+            wd.mkdir(parents=True, exist_ok=True)
+            self._deployments[n] = self.sel.backend.deploy(n, None, str(wd), engine=self.sel.engine)
+        return self._deployments[n]
+
+    def close(self) -> None:
+        for d in self._deployments.values():
+            d.close()
+        self._deployments.clear()
+
+
+@pytest.fixture(scope="session")
+def selection(pytestconfig: pytest.Config) -> Selection:
+    return _selection(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def backend(selection: Selection) -> Backend:
+    return selection.backend
+
+
+@pytest.fixture(scope="session")
+def deployment_pool(selection: Selection):
+    with tempfile.TemporaryDirectory(prefix="weightsync-") as d:
+        pool = DeploymentPool(selection, Path(d))
+        yield pool
+        pool.close()
+
+
+@pytest.fixture
+def deployment(deployment_pool: DeploymentPool, n_receivers: int) -> Deployment:
+    """A deployment of the backend under test with fresh engines at version 0."""
+    dep = deployment_pool.get(n_receivers)
+    dep.reset(None)
+    return dep
+
+
+@pytest.fixture
+def example_counter(request: pytest.FixtureRequest):
+    """Call it once per hypothesis example; the count lands in the results JSON."""
+    counts = request.config._weightsync_outcomes  # type: ignore[attr-defined]
+    key = request.node.nodeid
+
+    def tick() -> None:
+        counts.setdefault(key, {}).setdefault("examples", 0)
+        counts[key]["examples"] += 1
+
+    return tick
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        status = report.outcome
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            status = "not_supported" if NOT_SUPPORTED in reason else "skipped"
+            if hasattr(report, "wasxfail"):
+                status = "xfailed"
+        elif hasattr(report, "wasxfail"):
+            status = "xpassed"
+        rec = item.config._weightsync_outcomes.setdefault(item.nodeid, {})  # type: ignore[attr-defined]
+        rec.update(status=status, duration_s=round(report.duration, 3))
+        if report.failed:
+            rec["message"] = str(report.longrepr)[-2000:]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = session.config.getoption("--weightsync-results", default=None)
+    if not path:
+        return
+    sel = _selection(session.config)
+    data = {
+        "backend": sel.backend_name,
+        "engine": sel.engine,
+        "receivers": sel.receivers,
+        "capabilities": sel.backend.capabilities.describe(),
+        "hypothesis_profile": settings._current_profile,  # noqa: SLF001
+        "exitstatus": int(exitstatus),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tests": session.config._weightsync_outcomes,  # type: ignore[attr-defined]
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True))

@@ -1,0 +1,44 @@
+"""Invariant 1: after finish_weight_update(v) every engine holds version v bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from fixtures.payloads import random_like_spec, spec_of, special_values, weight_sets
+from harness.api import ALL_DTYPES
+from harness.manifest import dtype_name
+from harness.trainer import ReferenceTrainer
+from suites.conformance.helpers import assert_engines_hold, push_and_check, rerun_hint
+
+pytestmark = pytest.mark.requires("arbitrary_tensors")
+
+
+@given(data=st.data())
+def test_full_update_is_bitwise_for_any_dtype_and_shape(deployment, backend, data, request, example_counter):
+    """Random bit patterns (NaN payloads, -0.0, inf), 0-d, empty, odd and non-contiguous tensors."""
+    example_counter()
+    weights = data.draw(weight_sets(dtypes=backend.capabilities.dtypes), label="weights")
+    deployment.reset(spec_of(weights))
+    push_and_check(deployment, 1, weights, f"{backend.name} full update", rerun_hint(request))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_name)
+def test_special_values_survive(deployment, backend, dtype, request):
+    """NaNs with distinct payloads, both zeros and both infinities arrive with the same bits."""
+    if dtype not in backend.capabilities.dtypes:
+        pytest.skip(f"NOT_SUPPORTED: backend {backend.name!r} does not claim {dtype}")
+    weights = {"special.weight": special_values(dtype), "special.strided": special_values(dtype)[::2]}
+    deployment.reset(spec_of(weights))
+    push_and_check(deployment, 7, weights, f"{backend.name} special values {dtype_name(dtype)}", rerun_hint(request))
+
+
+@given(sizes=st.lists(st.integers(0, 5000), min_size=2, max_size=12))
+def test_many_tensors_across_buckets(deployment, backend, sizes, request, example_counter):
+    """Tensor counts and sizes that straddle bucket and shard boundaries arrive intact."""
+    example_counter()
+    gen = torch.Generator().manual_seed(len(sizes))
+    weights = {f"layer.{i}.w": torch.randn(n, generator=gen).to(torch.bfloat16) for i, n in enumerate(sizes)}
+    deployment.reset(spec_of(weights))
+    push_and_check(deployment, 3, weights, f"{backend.name} bucketed update", rerun_hint(request))
