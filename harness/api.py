@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -247,6 +247,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def read_weights(self) -> dict[str, torch.Tensor]:
         """Oracle: the parameters the forward pass uses, by checkpoint name, copied out."""
+
+    def check_update(self, names: Iterable[str], version: int) -> None:
+        """Refuse an update before any byte is staged: a version not newer than the committed one,
+        or a name the engine lacks. Engines with fused groups also refuse a partial group."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise VersionError(f"version must be an int, got {version!r}")
+        if version <= self.weight_version:
+            raise VersionError(f"version {version} is not newer than the committed {self.weight_version}")
+        spec = self.weight_spec()
+        unknown = sorted(n for n in names if n not in spec)
+        if unknown:
+            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]}")
 
     @abc.abstractmethod
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:

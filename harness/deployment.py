@@ -81,5 +81,10 @@ def push(
         for h in deployment.handles:
             h.receiver.abort_weight_update()
         raise
-    for h in deployment.handles:
-        h.receiver.finish_weight_update(version)
+    for i, h in enumerate(deployment.handles):
+        try:
+            h.receiver.finish_weight_update(version)
+        except BaseException:
+            for rest in deployment.handles[i + 1 :]:
+                rest.receiver.abort_weight_update()
+            raise

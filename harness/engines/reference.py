@@ -25,7 +25,6 @@ from harness.api import (
     RequestStream,
     TensorSpec,
     TokenEvent,
-    UnknownTensorError,
     VersionError,
     WeightSpec,
 )
@@ -172,15 +171,9 @@ class ReferenceEngine(Engine):
             self._cond.notify_all()
 
     def check_update(self, names, version: int) -> None:
-        """Refuse an update before anything is touched: unknown name, partial fused group, old version."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise VersionError(f"version must be an int, got {version!r}")
-        if version <= self._version:
-            raise VersionError(f"version {version} is not newer than the committed {self._version}")
+        """The base checks, plus: a fused group is sent whole or not at all."""
         names = set(names)
-        unknown = sorted(n for n in names if n not in self._spec)
-        if unknown:
-            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]} (engine has {len(self._spec)})")
+        super().check_update(names, version)
         for parts in FUSED_GROUPS.values():
             for n in names:
                 for part in parts:

@@ -19,7 +19,6 @@ from harness.api import (
     LifecycleError,
     ManifestMismatch,
     Receiver,
-    UnknownTensorError,
     VersionError,
     WeightSyncError,
 )
@@ -37,12 +36,9 @@ def manifest_of(update_info: JSON) -> Manifest:
 def check_against_engine(engine: Engine, manifest: Manifest) -> None:
     """Refuse, naming tensor and version, anything the engine cannot hold."""
     v = manifest.version
-    if v <= engine.weight_version:
-        raise VersionError(f"version {v} is not newer than the committed {engine.weight_version}")
+    engine.check_update(manifest.names, v)
     spec = engine.weight_spec()
     for e in manifest.entries:
-        if e.name not in spec:
-            raise UnknownTensorError(f"version {v}: unknown tensor {e.name!r}")
         s = spec[e.name]
         if e.shape != s.shape or e.dtype != dtype_name(s.dtype):
             raise ManifestMismatch(

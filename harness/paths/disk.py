@@ -23,8 +23,9 @@ MANIFEST_FILE = "manifest.json"
 DEFAULT_SHARD_BYTES = 256 << 20
 
 
-def version_dir(root: Path, version: int) -> Path:
-    return root / f"v{version:010d}"
+def version_dir(root: Path, version: int, attempt: int = 0) -> Path:
+    # one directory per attempt: a version the engines refused can be fixed and sent again
+    return root / f"v{version:010d}.{attempt:04d}"
 
 
 def _fsync_file(path: Path) -> None:
@@ -47,11 +48,13 @@ def shard_name(bucket: int) -> str:
     return f"shard-{bucket:05d}.safetensors"
 
 
-def write_checkpoint(root: Path, manifest: Manifest, named_tensors: Mapping[str, torch.Tensor]) -> Path:
+def write_checkpoint(
+    root: Path, manifest: Manifest, named_tensors: Mapping[str, torch.Tensor], attempt: int = 0
+) -> Path:
     """Write `manifest`'s version under `root` with the commit protocol above; returns its directory."""
-    final = version_dir(root, manifest.version)
+    final = version_dir(root, manifest.version, attempt)
     if final.exists():
-        raise TransferError(f"checkpoint {final} already exists; versions are written once")
+        raise TransferError(f"checkpoint {final} already exists; a checkpoint directory is written once")
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -105,6 +108,7 @@ class DiskSender(Sender):
         self.keep_versions = keep_versions
         self._written: list[Path] = []
         self._run = 0
+        self._attempts = 0
 
     @property
     def run_dir(self) -> Path:
@@ -123,7 +127,8 @@ class DiskSender(Sender):
 
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
         manifest = Manifest.build(version, named_tensors, self.shard_bytes)
-        directory = write_checkpoint(self.run_dir, manifest, named_tensors)
+        self._attempts += 1
+        directory = write_checkpoint(self.run_dir, manifest, named_tensors, self._attempts)
         self._written.append(directory)
         # old versions go once newer ones exist; readers of the newest are never disturbed
         while len(self._written) > self.keep_versions:

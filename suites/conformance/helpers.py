@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shlex
 
 import torch
@@ -49,3 +50,22 @@ def push_and_check(deployment: Deployment, version: int, tensors: dict[str, torc
     expected = {n: t.contiguous() for n, t in tensors.items()}
     assert_engines_hold(deployment, version, expected, context, rerun)
 
+
+
+def deliver_tampered(deployment: Deployment, version: int, tensors: dict[str, torch.Tensor], tamper) -> None:
+    """Like push(), but every receiver gets `tamper(update_info)` while the sender transmits the
+    genuine bytes: what a corrupted or forged control message looks like to the engine."""
+    import concurrent.futures as cf
+
+    for h in deployment.handles:
+        h.receiver.start_weight_update()
+    info = deployment.sender.prepare(version, tensors)
+    forged = tamper(copy.deepcopy(info))
+    with cf.ThreadPoolExecutor(len(deployment.handles) + 1) as pool:
+        futures = [pool.submit(deployment.sender.transmit)]
+        futures += [pool.submit(h.receiver.update_weights, forged) for h in deployment.handles]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    for h in deployment.handles:
+        h.receiver.abort_weight_update()
+    if errors:
+        raise errors[0]
