@@ -1,0 +1,418 @@
+"""An httpx client for vLLM's dev-mode routes, for this harness's control server and for real vLLM.
+
+Bodies are vLLM's: `{"init_info": ...}`, `{"update_info": ...}`, `{"weight_version": "<str>"}`, query
+parameters on /pause. Everything the harness adds is optional on the wire and detected, not assumed.
+
+Retries never apply an update twice:
+- a request that never reached the server (connect error, no pooled connection) is always retried;
+- a request whose outcome is unknown (timeout or broken connection after sending) is retried only when
+  repeating it is harmless: reads, pause/resume, version labels; or when the server de-duplicates by
+  `Idempotency-Key` (this harness's server says so in /weight_info); each logical call sends one key;
+- `finish_weight_update(v)` is recognised rather than re-applied: after an unknown outcome or a refusal,
+  the client reads /weight_info, and a server already serving v means the finish landed;
+- anything else with an unknown outcome raises `AmbiguousResultError`: unknown is never reported as ok.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from harness import api
+from harness.api import (
+    JSON,
+    Completion,
+    GenerationRequest,
+    RequestStream,
+    TokenEvent,
+    TransferError,
+    WeightSyncError,
+)
+
+UNKNOWN_VERSION = -1  # TokenEvent.weight_version when the server does not report it (vLLM)
+
+
+# --------------------------------------------------------------------------------------------- errors
+class ControlHTTPError(WeightSyncError):
+    """The server answered with an error that maps to no harness error."""
+
+    def __init__(self, message: str, status: int, type_: str = ""):
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+
+
+class AmbiguousResultError(TransferError):
+    """A mutating call whose outcome is unknown (no answer came) and that is not safe to repeat."""
+
+
+def error_from_response(resp: httpx.Response) -> WeightSyncError:
+    """The harness error a response stands for: our server names the class; vLLM's bodies do not."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = resp.text[:500]
+    type_, message = "", ""
+    if isinstance(body, Mapping):
+        err = body.get("error", body.get("detail", body))
+        if isinstance(err, Mapping):
+            type_, message = str(err.get("type", "")), str(err.get("message", err))
+        else:
+            message = str(err)
+        if not type_ and isinstance(body.get("type"), str):
+            type_ = body["type"]  # vLLM's older flat ErrorResponse
+    else:
+        message = str(body)
+    where = f"[HTTP {resp.status_code} from {resp.request.method} {resp.request.url.path}]"
+    cls = getattr(api, type_, None)
+    if isinstance(cls, type) and issubclass(cls, WeightSyncError):
+        exc: WeightSyncError = cls(f"{message} {where}")
+        exc.status = resp.status_code  # type: ignore[attr-defined]
+        return exc
+    return ControlHTTPError(f"{type_ + ': ' if type_ else ''}{message} {where}", resp.status_code, type_)
+
+
+# --------------------------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Seconds. `pause` covers /pause?mode=wait, which returns only once in-flight requests finished;
+    `update` covers update_weights, which waits for the data plane."""
+
+    connect: float = 5.0
+    control: float = 60.0
+    pause: float = 600.0
+    update: float = 600.0
+    stream_idle: float = 600.0  # longest gap between two chunks of a stream (a paused request is idle)
+    write: float = 60.0
+
+
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+# --------------------------------------------------------------------------------------------- client
+class ControlClient:
+    """The four-phase weight-update API and the control routes, over HTTP."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeouts: Timeouts = Timeouts(),
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        model: str | None = None,
+        idempotency_keys: bool | None = None,  # None: use them when the server says it honours them
+        transport: httpx.BaseTransport | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.timeouts = timeouts
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.model = model
+        self._keys = idempotency_keys
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            transport=transport,
+            # below uvicorn's 5 s keep-alive (vLLM's default too): a pooled connection the server
+            # already closed would make a sent request look lost
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=2.0),
+            timeout=httpx.Timeout(timeouts.control, connect=timeouts.connect, write=timeouts.write),
+        )
+        self.attempts: list[tuple[str, str]] = []  # (path, outcome) of every attempt: what the retry tests read
+
+    # ------------------------------------------------------------------ plumbing
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _timeout(self, read: float) -> httpx.Timeout:
+        t = self.timeouts
+        return httpx.Timeout(read, connect=t.connect, write=t.write, pool=t.connect)
+
+    def uses_idempotency_keys(self) -> bool:
+        if self._keys is None:
+            info = self.weight_info()
+            self._keys = info.get("idempotency_keys") is True
+        return self._keys
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, str] | None = None,
+        read_timeout: float | None = None,
+        repeatable: bool = False,
+        keyed: bool = False,
+    ) -> httpx.Response:
+        """One logical call with retries. `repeatable`: running it twice is harmless. `keyed`: send one
+        Idempotency-Key for all attempts, and retry unknown outcomes if the server de-duplicates."""
+        headers = dict(self._headers)
+        dedupes = False
+        if keyed and self.uses_idempotency_keys():
+            headers["Idempotency-Key"] = f"ws-{uuid.uuid4().hex}"
+            dedupes = True
+        timeout = self._timeout(read_timeout or self.timeouts.control)
+        kwargs: dict[str, Any] = {"headers": headers, "params": params, "timeout": timeout}
+        if json_body is not None:
+            kwargs["json"] = json_body
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                resp = self._http.request(method, path, **kwargs)
+            except _NOT_SENT as exc:
+                self.attempts.append((path, f"not sent: {type(exc).__name__}"))
+                if attempt > self.retries:
+                    raise TransferError(f"{method} {self.base_url}{path}: no connection after {attempt} attempts: {exc!r}") from exc
+            except httpx.TransportError as exc:
+                self.attempts.append((path, f"unknown: {type(exc).__name__}"))
+                if not (repeatable or dedupes) or attempt > self.retries:
+                    raise AmbiguousResultError(
+                        f"{method} {self.base_url}{path}: no answer ({exc!r}) after {attempt} attempt(s); the server "
+                        "may or may not have applied it, and repeating it is not known to be safe"
+                    ) from exc
+            else:
+                self.attempts.append((path, str(resp.status_code)))
+                if resp.status_code == 503 and (repeatable or dedupes) and attempt <= self.retries:
+                    pass  # unavailable: nothing was applied
+                elif resp.status_code >= 400:
+                    raise error_from_response(resp)
+                else:
+                    return resp
+            time.sleep(self.backoff_s * (2 ** (attempt - 1)))  # backoff between attempts, not synchronisation
+
+    @staticmethod
+    def _json(resp: httpx.Response) -> Any:
+        if not resp.content:
+            return {}
+        try:
+            return resp.json()
+        except ValueError:
+            return {"text": resp.text[:500]}
+
+    # ------------------------------------------------------------------ four phases
+    def init_weight_transfer_engine(self, init_info: JSON) -> JSON:
+        return self._json(self._call("POST", "/init_weight_transfer_engine", json_body={"init_info": init_info}, keyed=True))
+
+    def start_weight_update(self) -> JSON:
+        return self._json(self._call("POST", "/start_weight_update", keyed=True))
+
+    def update_weights(self, update_info: JSON) -> JSON:
+        return self._json(
+            self._call(
+                "POST",
+                "/update_weights",
+                json_body={"update_info": update_info},
+                read_timeout=self.timeouts.update,
+                keyed=True,
+            )
+        )
+
+    def finish_weight_update(self, version: int | str | None) -> JSON:
+        """Commit `version`. Idempotent per version: when the first answer is lost or a retry is
+        refused, a server that already serves `version` means the finish landed (once)."""
+        body = {"weight_version": str(version)} if version is not None else None
+        try:
+            return self._json(self._call("POST", "/finish_weight_update", json_body=body, keyed=True))
+        except (AmbiguousResultError, WeightSyncError) as exc:
+            if version is None or not self._serves(version):
+                if isinstance(exc, AmbiguousResultError) and version is not None:
+                    return self._finish_again(version, body, exc)
+                raise
+            self.attempts.append(("/finish_weight_update", "recognised: already committed"))
+            return {"message": "Weight update finished", "weight_version": str(version), "already_committed": True}
+
+    def _finish_again(self, version: int | str, body: JSON, first: Exception) -> JSON:
+        """The first finish's outcome is unknown and the server does not serve `version` yet: repeat it.
+        Safe without de-duplication: one update can be finished once, so a repeat either commits it (the
+        first never ran) or is refused (it did), and the refusal is resolved by reading the version."""
+        for _ in range(self.retries):
+            try:
+                return self._json(self._call("POST", "/finish_weight_update", json_body=body, keyed=True))
+            except (AmbiguousResultError, WeightSyncError) as exc:
+                if self._serves(version):
+                    self.attempts.append(("/finish_weight_update", "recognised: already committed"))
+                    return {"message": "Weight update finished", "weight_version": str(version), "already_committed": True}
+                if not isinstance(exc, AmbiguousResultError):
+                    raise
+        raise first
+
+    def _serves(self, version: int | str) -> bool:
+        info = self.weight_info()
+        return str(info.get("weight_version")) == str(version) or info.get("engine_version") == version
+
+    def abort_weight_update(self) -> bool:
+        """Discard the staged update (this harness's server; vLLM has no such route: False)."""
+        try:
+            self._call("POST", "/abort_weight_update", keyed=True)
+        except ControlHTTPError as exc:
+            if exc.status in (404, 405):
+                return False
+            raise
+        return True
+
+    # ------------------------------------------------------------------ control routes
+    def pause(self, mode: str = "abort", clear_cache: bool | None = None) -> JSON:
+        params = {"mode": mode}
+        if clear_cache is not None:
+            params["clear_cache"] = "true" if clear_cache else "false"
+        resp = self._call("POST", "/pause", params=params, read_timeout=self.timeouts.pause, repeatable=True, keyed=True)
+        return self._json(resp)
+
+    def resume(self) -> JSON:
+        return self._json(self._call("POST", "/resume", repeatable=True, keyed=True))
+
+    def is_paused(self) -> bool:
+        return bool(self._json(self._call("GET", "/is_paused", repeatable=True))["is_paused"])
+
+    def abort_requests(self, request_ids: Sequence[str] | None = None) -> int:
+        body = {"request_ids": list(request_ids)} if request_ids else None
+        return int(self._json(self._call("POST", "/abort_requests", json_body=body, repeatable=True)).get("aborted", 0))
+
+    def weight_info(self) -> JSON:
+        return self._json(self._call("GET", "/weight_info", repeatable=True))
+
+    def weight_version(self) -> str | None:
+        return self.weight_info().get("weight_version")
+
+    def update_weight_version(self, new_version: str) -> JSON:
+        return self._json(
+            self._call("POST", "/update_weight_version", json_body={"new_version": new_version}, repeatable=True, keyed=True)
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self._call("POST", "/reset_prefix_cache", repeatable=True, keyed=True)
+
+    def weight_spec(self) -> JSON:
+        return self._json(self._call("GET", "/weight_spec", repeatable=True))
+
+    def stats(self) -> JSON:
+        return self._json(self._call("GET", "/stats", repeatable=True))
+
+    # ------------------------------------------------------------------ generation
+    def _completion_body(self, request: GenerationRequest, stream: bool) -> JSON:
+        body: JSON = {
+            "prompt": list(request.prompt_token_ids),
+            "max_tokens": request.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": stream,
+            "request_id": request.request_id,
+        }
+        if request.stop_token_ids:
+            body["stop_token_ids"] = list(request.stop_token_ids)
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    def complete(self, request: GenerationRequest) -> Completion:
+        """A non-streaming completion (not retried: a repeat would generate twice)."""
+        resp = self._call(
+            "POST", "/v1/completions", json_body=self._completion_body(request, False), read_timeout=self.timeouts.stream_idle
+        )
+        choice = resp.json()["choices"][0]
+        tokens = list(choice.get("token_ids") or [])
+        versions = choice.get("token_weight_versions") or [UNKNOWN_VERSION] * len(tokens)
+        return Completion(request.request_id, tokens, list(versions), choice.get("finish_reason"))
+
+    def submit(self, request: GenerationRequest, start_timeout: float | None = None) -> RemoteStream:
+        """Start a streaming completion; returns once the server accepted it (its response began),
+        raising the server's error if it refused."""
+        stream = RemoteStream(self, request)
+        stream.start()
+        stream.wait_accepted(start_timeout or self.timeouts.control)
+        return stream
+
+
+# --------------------------------------------------------------------------------------------- streams
+class RemoteStream(RequestStream):
+    """A RequestStream fed by a thread reading the server's SSE stream: tokens, with the weight version
+    that produced each (when the server reports it; UNKNOWN_VERSION otherwise)."""
+
+    def __init__(self, client: ControlClient, request: GenerationRequest):
+        super().__init__(request)
+        self._client = client
+        self._accepted = threading.Event()
+        self.status: int | None = None
+        self.error: BaseException | None = None  # a refusal, or a transport failure mid-stream
+        self.server_request_id: str | None = None
+        self._thread = threading.Thread(target=self._read, name=f"sse-{request.request_id[:24]}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_accepted(self, timeout: float) -> None:
+        if not self._accepted.wait(timeout):
+            raise TimeoutError(f"request {self.request.request_id!r}: no response within {timeout}s")
+        if self.error is not None and (self.status is None or self.status >= 400):
+            if isinstance(self.error, WeightSyncError):
+                raise self.error
+            raise TransferError(f"request {self.request.request_id!r} was not accepted: {self.error!r}") from self.error
+
+    def _finish(self, index: int, version: int) -> None:
+        if not self.done:
+            self.push(TokenEvent(self.request.request_id, index, None, version, "abort"))
+
+    def _read(self) -> None:
+        c = self._client
+        rid = self.request.request_id
+        index, version = 0, UNKNOWN_VERSION
+        try:
+            with c._http.stream(  # noqa: SLF001
+                "POST",
+                "/v1/completions",
+                json=c._completion_body(self.request, True),  # noqa: SLF001
+                headers=c._headers,  # noqa: SLF001
+                timeout=c._timeout(c.timeouts.stream_idle),  # noqa: SLF001
+            ) as resp:
+                self.status = resp.status_code
+                self.server_request_id = resp.headers.get("x-request-id")
+                if resp.status_code >= 400:
+                    resp.read()
+                    self.error = error_from_response(resp)
+                    return
+                self._accepted.set()
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue  # blank separators and ': keepalive' comments
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if not chunk.get("choices"):
+                        continue  # the usage chunk, or an error object
+                    choice = chunk["choices"][0]
+                    tokens = choice.get("token_ids") or []
+                    versions = choice.get("token_weight_versions") or [UNKNOWN_VERSION] * len(tokens)
+                    finish = choice.get("finish_reason")
+                    for j, (tok, ver) in enumerate(zip(tokens, versions, strict=True)):
+                        version = ver
+                        self.push(TokenEvent(rid, index, tok, ver, finish if j == len(tokens) - 1 else None))
+                        index += 1
+                    if finish is not None and not tokens:
+                        self.push(TokenEvent(rid, index, None, version, finish))
+                    if finish is not None:
+                        break
+        except BaseException as exc:  # noqa: BLE001 - recorded, and the stream ends as aborted
+            self.error = exc
+        finally:
+            self._accepted.set()
+            if not self.done and self.error is None:
+                self.error = TransferError(f"request {rid!r}: the stream ended without a finish_reason")
+            self._finish(index, version)

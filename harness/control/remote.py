@@ -1,0 +1,129 @@
+"""Receiver- and Engine-shaped adapters over a ControlClient, so `harness.deployment.push()` and the
+suites drive a remote server (this harness's or a dev-mode vLLM) exactly as they drive local objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from harness import wire
+from harness.api import (
+    JSON,
+    Deployment,
+    Engine,
+    EngineHandle,
+    EngineStateError,
+    GenerationRequest,
+    PauseMode,
+    Receiver,
+    RequestStream,
+    Sender,
+    TensorSpec,
+    WeightSpec,
+)
+from harness.control.client import ControlClient
+
+
+class RemoteReceiver(Receiver):
+    """The four phases, over HTTP."""
+
+    def __init__(self, client: ControlClient):
+        self.client = client
+
+    def init_transfer_engine(self, init_info: JSON) -> None:
+        self.client.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.client.start_weight_update()
+
+    def update_weights(self, update_info: JSON) -> None:
+        self.client.update_weights(update_info)
+
+    def finish_weight_update(self, version: int) -> None:
+        self.client.finish_weight_update(version)
+
+    def abort_weight_update(self) -> None:
+        # vLLM has no such route; there the staged update is left for the next start to replace
+        self.client.abort_weight_update()
+
+
+class RemoteEngine(Engine):
+    """An engine behind a control server. The oracle is not served over HTTP: pass `oracle` (e.g. the
+    in-process engine's read_weights) when the test can reach the engine by another way."""
+
+    def __init__(self, client: ControlClient, oracle: Callable[[], dict[str, torch.Tensor]] | None = None):
+        self.client = client
+        self._oracle = oracle
+
+    @property
+    def weight_version(self) -> int:
+        info = self.client.weight_info()
+        if isinstance(info.get("engine_version"), int):
+            return info["engine_version"]
+        label = info.get("weight_version")
+        if isinstance(label, str) and label.isdigit():
+            return int(label)
+        raise EngineStateError(f"the server reports weight_version {label!r}, not an integer version")
+
+    def weight_spec(self) -> dict[str, TensorSpec]:
+        return wire.spec_from_json(self.client.weight_spec()) or {}
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        return self.client.submit(request)
+
+    def generate(self, requests: Sequence[GenerationRequest], timeout: float = 60.0):
+        streams = [self.submit(r) for r in requests]
+        return [s.result(timeout) for s in streams]
+
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
+        self.client.pause(mode, clear_cache=clear_cache)
+
+    def resume(self) -> None:
+        self.client.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.client.is_paused()
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        if self._oracle is None:
+            raise NotImplementedError("a remote engine's oracle needs a direct reader (pass oracle=...)")
+        return self._oracle()
+
+    def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        raise EngineStateError("a remote engine commits only through its receiver's lifecycle (finish_weight_update)")
+
+    def reset_prefix_cache(self) -> None:
+        self.client.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.client.close()
+
+
+class RemoteDeployment(Deployment):
+    """A trainer-side Sender wired to N control servers; `push()` drives it as any deployment."""
+
+    def __init__(
+        self,
+        sender: Sender,
+        clients: Sequence[ControlClient],
+        oracles: Sequence[Callable[[], dict[str, torch.Tensor]] | None] | None = None,
+    ):
+        self.sender = sender
+        self.init_info = sender.init()
+        oracles = list(oracles) if oracles is not None else [None] * len(clients)
+        self.handles = []
+        for client, oracle in zip(clients, oracles, strict=True):
+            receiver = RemoteReceiver(client)
+            receiver.init_transfer_engine(self.init_info)
+            self.handles.append(EngineHandle(receiver, RemoteEngine(client, oracle)))
+
+    def reset(self, spec: WeightSpec | None = None) -> None:
+        raise EngineStateError("a remote deployment cannot replace its servers' engines; start new servers")
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.engine.shutdown()
+        self.sender.shutdown()

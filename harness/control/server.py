@@ -1,0 +1,949 @@
+"""A FastAPI control plane with vLLM's dev-mode routes, in front of any Engine + Receiver.
+
+Routes and bodies follow vLLM 0.32's dev mode (VLLM_SERVER_DEV_MODE=1) so one client drives either:
+
+    POST /pause?mode=abort|wait|keep&clear_cache=   POST /resume          GET /is_paused
+    POST /abort_requests {request_ids?}             POST /init_weight_transfer_engine {init_info}
+    POST /start_weight_update                       POST /update_weights {update_info}
+    POST /finish_weight_update {weight_version?}    POST /update_weight_version {new_version}
+    GET  /weight_info                               POST /reset_prefix_cache
+    POST /v1/completions  (token-id prompts, greedy, SSE streaming with per-token weight versions)
+
+Beyond vLLM (vLLM's dev routes have no auth at all):
+- a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it;
+- bodies bounded in size (413) and validated strictly (422 for unknown fields or wrong types);
+- every file path in init_info/update_info confined to allowed directories, every peer address to
+  allowed hosts;
+- an `Idempotency-Key` header on mutating routes: a retry with the same key gets the first answer
+  and never runs the operation twice; a finish of the version already committed is recognised;
+- extensions: POST /abort_weight_update, GET /weight_spec, GET /stats, GET /health.
+
+Tensors never cross HTTP: update_info carries the manifest and the data plane's coordinates, and the
+receiver fetches the bytes itself. Every blocking engine or receiver call runs in a worker thread,
+so a long /pause?mode=wait or a slow data plane never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from harness import wire
+from harness.api import (
+    BackendError,
+    Engine,
+    EngineStateError,
+    GenerationRequest,
+    LifecycleError,
+    ManifestMismatch,
+    Receiver,
+    TokenEvent,
+    TransferError,
+    UnknownTensorError,
+    VersionError,
+    WeightSyncError,
+)
+from harness.control import schemas
+from harness.control.schemas import BadRequest
+from harness.manifest import Manifest
+
+log = logging.getLogger("weightsync.control")
+
+SERVER_NAME = "weightsync"
+DEFAULT_HOST = "127.0.0.1"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+# --------------------------------------------------------------------------------------------- config
+@dataclasses.dataclass
+class ServerConfig:
+    """How a control server is exposed. `token` is required: there is no unauthenticated mode."""
+
+    token: str
+    host: str = DEFAULT_HOST
+    port: int = 0  # 0: an ephemeral port, read back from ServerThread.port
+    allowed_dirs: tuple[Path, ...] = ()  # file paths in init_info/update_info must lie under one of these
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS  # peer addresses init_info may name
+    init_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # e.g. this server's rank
+    max_body_bytes: int = 1 << 20
+    max_inflight_requests: int = 256
+    keepalive_s: float = 5.0  # SSE comment while a stream is idle (paused), so proxies and clients wait
+    model_name: str = SERVER_NAME
+    control_threads: int = 8
+    idempotency_capacity: int = 4096
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token, str) or len(self.token) < 16:
+            raise ValueError("the control token must be a string of at least 16 characters")
+        self.allowed_dirs = tuple(Path(d) for d in self.allowed_dirs)
+
+
+# --------------------------------------------------------------------------------------------- errors
+class ApiError(Exception):
+    """An error answer: status, a type name the client maps back to a harness error, a message."""
+
+    def __init__(self, status: int, type_: str, message: str):
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
+
+    def payload(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+
+
+_STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
+    (BadRequest, 400),
+    (BackendError, 400),
+    (LifecycleError, 409),
+    (VersionError, 409),
+    (EngineStateError, 409),
+    (UnknownTensorError, 422),
+    (ManifestMismatch, 422),
+    (TransferError, 502),  # the data plane failed: not the caller's request
+    (TimeoutError, 504),
+    (ValueError, 400),  # engines raise it for requests they refuse (prompt outside the vocab, ...)
+)
+
+
+def api_error(exc: BaseException) -> ApiError | None:
+    for cls, status in _STATUS_OF:
+        if isinstance(exc, cls):
+            return ApiError(status, type(exc).__name__, str(exc))
+    return None
+
+
+def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:10]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------- ASGI guard
+class Guard:
+    """Outermost ASGI layer: bearer token on mutating methods, then a bounded, buffered body.
+
+    Runs before routing and parsing, so an unauthenticated or oversized request costs no parsing and
+    reaches no handler."""
+
+    SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+    def __init__(self, app, token: str, max_body_bytes: int):
+        self.app = app
+        self._token = f"Bearer {token}".encode()
+        self.max_body_bytes = max_body_bytes
+
+    @staticmethod
+    async def _reply(send, status: int, type_: str, message: str, headers: list | None = None) -> None:
+        body = json.dumps(ApiError(status, type_, message).payload()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                + (headers or []),
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        values = [v for k, v in headers if k.lower() == b"authorization"]
+        return len(values) == 1 and hmac.compare_digest(values[0], self._token)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = scope.get("headers", [])
+        if scope["method"] not in self.SAFE_METHODS and not self._authorized(headers):
+            await self._reply(
+                send, 401, "Unauthorized", "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")]
+            )
+            return
+        lengths = [v for k, v in headers if k.lower() == b"content-length"]
+        if lengths:
+            if len(lengths) > 1 or not lengths[0].isdigit():
+                await self._reply(send, 400, "BadRequest", "malformed Content-Length")
+                return
+            if int(lengths[0]) > self.max_body_bytes:
+                await self._reply(
+                    send, 413, "PayloadTooLarge", f"body of {int(lengths[0])} bytes > limit {self.max_body_bytes}"
+                )
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._reply(send, 413, "PayloadTooLarge", f"body larger than the limit {self.max_body_bytes}")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for the disconnect, as streaming responses expect
+
+        await self.app(scope, replay, send)
+
+
+# --------------------------------------------------------------------------------------------- idempotency
+class IdempotencyCache:
+    """Answers of mutating requests by `Idempotency-Key`, so a retry never runs an operation twice.
+
+    A retry that arrives while the first attempt still runs waits for that attempt's answer. The
+    operation runs as its own task, so a client that disconnects cannot cancel it half-way."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: collections.OrderedDict[str, tuple[str, asyncio.Future]] = collections.OrderedDict()
+        self.replays = 0
+
+    async def run(
+        self, key: str, fingerprint: str, op: Callable[[], Awaitable[tuple[int, dict[str, Any]]]]
+    ) -> tuple[int, dict[str, Any]]:
+        entry = self._entries.get(key)
+        if entry is not None:
+            if entry[0] != fingerprint:
+                raise ApiError(422, "IdempotencyKeyReused", f"Idempotency-Key {key!r} was used for another request")
+            self._entries.move_to_end(key)
+            self.replays += 1
+            return await asyncio.shield(entry[1])
+        task = asyncio.ensure_future(op())
+        self._entries[key] = (fingerprint, task)
+        while len(self._entries) > self.capacity:
+            oldest = next(iter(self._entries))
+            if not self._entries[oldest][1].done():
+                break
+            del self._entries[oldest]
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            if task.done() and task.exception() is not None:
+                self._entries.pop(key, None)  # an unexpected crash is not an answer worth replaying
+            raise
+
+
+# --------------------------------------------------------------------------------------------- requests
+@dataclasses.dataclass
+class _Live:
+    """One /v1/completions request: the engine's stream, and the queue its pump thread fills."""
+
+    request_id: str
+    stream: Any  # RequestStream
+    queue: asyncio.Queue
+    created: int
+    closed: bool = False
+    outcome: str | None = None  # length | stop | abort | disconnected
+    tokens: int = 0
+
+
+# --------------------------------------------------------------------------------------------- server
+class ControlServer:
+    """The control plane for one engine and the receiver that delivers into it."""
+
+    def __init__(self, engine: Engine, receiver: Receiver, config: ServerConfig):
+        self.engine = engine
+        self.receiver = receiver
+        self.config = config
+        self._control_pool = cf.ThreadPoolExecutor(config.control_threads, thread_name_prefix="control")
+        self._query_pool = cf.ThreadPoolExecutor(4, thread_name_prefix="control-query")
+        self._pause_lock = threading.Lock()  # pause, resume and abort-all never interleave
+        self._state_lock = threading.Lock()  # the lifecycle bookkeeping below
+        self._updating = False  # a start_weight_update is open
+        self._staged_version: int | None = None  # version of the update_info accepted in this update
+        self._update_failure: str | None = None  # why this update can no longer commit
+        self._label: str | None = None  # vLLM-style version label, reported by /weight_info
+        self._idempotency = IdempotencyCache(config.idempotency_capacity)
+        self._live: dict[str, _Live] = {}
+        self.counters = collections.Counter()  # submitted, completed, aborted, disconnected, commits, ...
+        self._ids = itertools.count()
+        self._closing = False
+        self.app = self._build_app()
+        self.asgi = Guard(self.app, config.token, config.max_body_bytes)
+
+    # ------------------------------------------------------------------ plumbing
+    async def _in_thread(self, fn: Callable[[], Any], pool: cf.Executor | None = None) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(pool or self._control_pool, fn)
+        except ApiError:
+            raise
+        except Exception as exc:
+            err = api_error(exc)
+            if err is None:
+                raise
+            raise err from exc
+
+    @staticmethod
+    def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
+        params = request.query_params
+        unknown = sorted(set(params.keys()) - set(allowed))
+        if unknown:
+            raise ApiError(422, "ValidationError", f"unknown query parameter(s) {unknown[:5]}; allowed: {list(allowed)}")
+        out = {}
+        for k in params.keys():
+            values = params.getlist(k)
+            if len(values) != 1:
+                raise ApiError(422, "ValidationError", f"query parameter {k!r} given {len(values)} times")
+            out[k] = values[0]
+        return out
+
+    @staticmethod
+    async def _body(request: Request, model: type[BaseModel], required: bool) -> Any:
+        raw = await request.body()
+        if not raw.strip():
+            if required:
+                raise ApiError(422, "ValidationError", f"{request.url.path}: a JSON body is required")
+            return model()
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise ApiError(415, "UnsupportedMediaType", f"content-type {ctype[:80]!r}: send application/json")
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            raise ApiError(422, "ValidationError", _validation_message(exc)) from None
+
+    async def _mutation(self, request: Request, body: Any, op: Callable[[], dict[str, Any]]) -> JSONResponse:
+        """Run a mutating operation in a thread; with an Idempotency-Key, at most once per key."""
+
+        async def run() -> tuple[int, dict[str, Any]]:
+            try:
+                return 200, await self._in_thread(op)
+            except ApiError as exc:
+                return exc.status, exc.payload()
+
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            status, payload = await run()
+        else:
+            if not schemas.IDEMPOTENCY_KEY_RE.match(key):
+                raise ApiError(422, "ValidationError", f"Idempotency-Key must match {schemas.IDEMPOTENCY_KEY_RE.pattern}")
+            dumped = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
+            fingerprint = hashlib.sha256(
+                json.dumps([request.url.path, sorted(request.query_params.multi_items()), dumped], sort_keys=True).encode()
+            ).hexdigest()
+            status, payload = await self._idempotency.run(key, fingerprint, run)
+        return JSONResponse(payload, status_code=status)
+
+    # ------------------------------------------------------------------ lifecycle (run in threads)
+    def _confine(self, info: Mapping[str, Any], what: str) -> None:
+        schemas.confine_paths(info, self.config.allowed_dirs, self.config.allowed_hosts, what)
+
+    def _init(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        self._confine(init_info, "init_info")
+        info = {**init_info, **self.config.init_overrides}
+        with self._state_lock:
+            self.receiver.init_transfer_engine(info)
+            self._updating, self._staged_version, self._update_failure = False, None, None
+        return {"message": "Weight transfer initialized"}
+
+    def _start(self) -> dict[str, Any]:
+        with self._state_lock:
+            self.receiver.start_weight_update()
+            self._updating, self._staged_version, self._update_failure = True, None, None
+        return {"message": "Weight update started"}
+
+    def _check_manifest_bounds(self, update_info: Mapping[str, Any]) -> None:
+        """Refuse a manifest whose buckets claim more bytes than the engine could ever hold, before a
+        data plane allocates them."""
+        if "manifest" not in update_info:
+            raise ManifestMismatch("update_info carries no 'manifest'")
+        manifest = Manifest.from_json(update_info["manifest"])
+        if not 1 <= manifest.version <= schemas.MAX_VERSION:
+            raise VersionError(f"manifest version {manifest.version} outside 1..{schemas.MAX_VERSION}")
+        spec = self.engine.weight_spec()
+        capacity = sum(s.dtype.itemsize * _numel(s.shape) for s in spec.values())
+        slack = 64 * (len(manifest.entries) + len(manifest.bucket_sizes))
+        if any(size < 0 for size in manifest.bucket_sizes) or sum(manifest.bucket_sizes) > capacity + slack:
+            raise ManifestMismatch(
+                f"version {manifest.version}: buckets total {sum(manifest.bucket_sizes)} bytes, more than the "
+                f"{capacity} bytes the engine holds"
+            )
+
+    def _update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        with self._state_lock:
+            try:
+                self._confine(update_info, "update_info")
+                self._check_manifest_bounds(update_info)
+                self.receiver.update_weights(update_info)
+            except WeightSyncError as exc:
+                if self._updating:  # a refused part poisons the update: finish must not commit the rest
+                    self._update_failure = f"{type(exc).__name__}: {exc}"
+                raise
+            self._staged_version = int(update_info["manifest"]["version"])
+        return {"message": "Weights updated"}
+
+    def _finish(self, weight_version: int | str | None) -> dict[str, Any]:
+        version, label = schemas.parse_version(weight_version)
+        with self._state_lock:
+            committed = self.engine.weight_version
+            if version is not None and version == committed and self._staged_version != version:
+                # a retry of a finish that already landed (its answer was lost): recognised, not re-applied
+                self.counters["finish_recognised"] += 1
+                return {"message": "Weight update finished", "weight_version": str(version), "already_committed": True}
+            if version is not None and version < committed:
+                raise VersionError(f"finish_weight_update({version}) but version {committed} is already committed")
+            if self._update_failure is not None:
+                failure = self._update_failure
+                self.receiver.abort_weight_update()
+                self._updating, self._staged_version, self._update_failure = False, None, None
+                raise LifecycleError(f"finish_weight_update after a refused update_weights: {failure}")
+            if version is None:
+                if self._staged_version is None:
+                    raise LifecycleError("finish_weight_update with nothing staged; call update_weights first")
+                version = self._staged_version
+            try:
+                self.receiver.finish_weight_update(version)
+            except VersionError:
+                raise  # a wrong version leaves the update open, as the receiver does
+            except BaseException:
+                self._updating, self._staged_version = False, None
+                raise
+            self._updating, self._staged_version = False, None
+            self._label = label
+            self.counters["commits"] += 1
+        return {"message": "Weight update finished", "weight_version": label or str(version), "already_committed": False}
+
+    def _abort_update(self) -> dict[str, Any]:
+        with self._state_lock:
+            self.receiver.abort_weight_update()
+            self._updating, self._staged_version, self._update_failure = False, None, None
+        return {"message": "Weight update aborted", "weight_version": str(self.engine.weight_version)}
+
+    def _pause(self, mode: str, clear_cache: bool) -> dict[str, Any]:
+        with self._pause_lock:
+            self.engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        return {"status": "paused"}
+
+    def _resume(self) -> dict[str, Any]:
+        with self._pause_lock:
+            self.engine.resume()
+        return {"status": "resumed"}
+
+    def _abort_all(self) -> int:
+        """Abort every in-flight request without leaving the engine paused (the Engine contract has no
+        per-request abort: pause(abort) aborts everything; resume unless it was paused already)."""
+        with self._pause_lock:
+            n = sum(1 for live in list(self._live.values()) if not live.closed)
+            was_paused = self.engine.is_paused
+            self.engine.pause("abort", clear_cache=False)
+            if not was_paused:
+                self.engine.resume()
+        return n
+
+    def weight_info(self) -> dict[str, Any]:
+        committed = self.engine.weight_version
+        return {
+            "weight_version": self._label or str(committed),
+            "engine_version": committed,
+            "update_in_progress": self._updating,
+            "server": SERVER_NAME,
+            "idempotency_keys": True,
+        }
+
+    # ------------------------------------------------------------------ generation
+    def _pump(self, live: _Live, loop: asyncio.AbstractEventLoop) -> None:
+        """Forward the engine's events for one request into the event loop, until it finishes."""
+        i = 0
+        while not live.closed and not self._closing:
+            events = live.stream.events_after(i, timeout=0.5)
+            if not events:
+                continue
+            i += len(events)
+            try:
+                loop.call_soon_threadsafe(live.queue.put_nowait, events)
+            except RuntimeError:  # the loop is gone: the server stopped
+                return
+            if events[-1].finish_reason is not None:
+                return
+
+    def _chunk(self, live: _Live, events: list[TokenEvent], finish: str | None) -> dict[str, Any]:
+        tokens = [e for e in events if e.token_id is not None]
+        return {
+            "id": live.request_id,
+            "object": "text_completion",
+            "created": live.created,
+            "model": self.config.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "token_ids": [e.token_id for e in tokens],
+                    "token_weight_versions": [e.weight_version for e in tokens],  # weightsync extension
+                }
+            ],
+        }
+
+    def _usage(self, live: _Live) -> dict[str, int]:
+        n_prompt = len(live.stream.request.prompt_token_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": live.tokens, "total_tokens": n_prompt + live.tokens}
+
+    def _settle(self, live: _Live, outcome: str) -> None:
+        if live.outcome is None:
+            live.outcome = outcome
+            live.closed = True
+            self.counters["completed" if outcome in ("length", "stop") else outcome] += 1
+            self._live.pop(live.request_id, None)
+
+    async def _events(self, live: _Live):
+        """(events, finish_reason) batches of one request, with None batches as keepalive ticks."""
+        while True:
+            try:
+                events = await asyncio.wait_for(live.queue.get(), self.config.keepalive_s)
+            except asyncio.TimeoutError:
+                yield None, None
+                continue
+            finish = events[-1].finish_reason
+            live.tokens += sum(e.token_id is not None for e in events)
+            yield events, finish
+            if finish is not None:
+                return
+
+    async def _submit(self, body: schemas.CompletionBody) -> _Live:
+        if body.model not in (None, self.config.model_name):
+            raise ApiError(404, "NotFoundError", f"The model `{body.model[:100]}` does not exist.")
+        if self._closing:
+            raise ApiError(503, "ServiceUnavailable", "the server is shutting down")
+        if len(self._live) >= self.config.max_inflight_requests:
+            raise ApiError(429, "TooManyRequests", f"{len(self._live)} requests in flight (limit {self.config.max_inflight_requests})")
+        rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        if rid in self._live:
+            raise ApiError(409, "DuplicateRequestId", f"request id {rid!r} is already in flight")
+        req = GenerationRequest(rid, tuple(body.prompt), body.max_tokens or 16, tuple(body.stop_token_ids or ()))
+        stream = await self._in_thread(lambda: self.engine.submit(req), self._query_pool)
+        live = _Live(rid, stream, asyncio.Queue(), int(time.time()))
+        self._live[rid] = live
+        self.counters["submitted"] += 1
+        threading.Thread(
+            target=self._pump, args=(live, asyncio.get_running_loop()), name=f"pump-{rid[:24]}", daemon=True
+        ).start()
+        return live
+
+    async def _completions(self, request: Request):
+        self._query(request, ())
+        body = await self._body(request, schemas.CompletionBody, required=True)
+        live = await self._submit(body)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if not body.stream:
+            tokens: list[TokenEvent] = []
+            finish = None
+            try:
+                async for events, finish in self._events(live):
+                    tokens.extend(events or ())
+            finally:
+                self._settle(live, finish or "disconnected")
+            chunk = self._chunk(live, tokens, finish)
+            chunk["usage"] = self._usage(live)
+            return JSONResponse(chunk)
+
+        async def sse():
+            finish = None
+            try:
+                async for events, finish in self._events(live):
+                    if events is None:
+                        yield b": keepalive\n\n"
+                        continue
+                    yield b"data: " + json.dumps(self._chunk(live, events, finish)).encode() + b"\n\n"
+                if include_usage:
+                    usage = {**self._chunk(live, [], None), "choices": [], "usage": self._usage(live)}
+                    yield b"data: " + json.dumps(usage).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                self._settle(live, finish or "disconnected")
+
+        return StreamingResponse(
+            sse(), media_type="text/event-stream", headers={"x-request-id": live.request_id, "cache-control": "no-cache"}
+        )
+
+    async def _abort_requests(self, body: schemas.AbortRequestsBody) -> dict[str, Any]:
+        if not body.request_ids:
+            n = await self._in_thread(self._abort_all)
+            return {"status": "aborted", "aborted": n}
+        n = 0
+        engine_abort = getattr(self.engine, "abort_requests", None)
+        found = [self._live[r] for r in dict.fromkeys(body.request_ids) if r in self._live]
+        if callable(engine_abort):
+            await self._in_thread(lambda: engine_abort([live.request_id for live in found]))
+        for live in found:
+            if live.closed:
+                continue
+            # The stream ends here with finish_reason abort; without an engine-side abort the engine
+            # still finishes the request (bounded by max_tokens) and its tokens are dropped.
+            version = self.engine.weight_version
+            live.queue.put_nowait([TokenEvent(live.request_id, live.tokens, None, version, "abort")])
+            live.closed = True
+            n += 1
+        return {"status": "aborted", "aborted": n}
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "submitted": c["submitted"],
+            "completed": c["completed"],
+            "aborted": c["abort"],
+            "disconnected": c["disconnected"],
+            "in_flight": len(self._live),
+            "commits": c["commits"],
+            "finish_recognised": c["finish_recognised"],
+            "idempotent_replays": self._idempotency.replays,
+        }
+
+    def live_streams(self) -> dict[str, Any]:
+        """The engine-side streams of in-flight requests, by request id (for white-box checks)."""
+        return {rid: live.stream for rid, live in list(self._live.items())}
+
+    # ------------------------------------------------------------------ app
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(
+            title="weightsync control plane",
+            description=__doc__,
+            version="1",
+            docs_url=None,
+            redoc_url=None,
+        )
+        srv = self
+
+        @app.exception_handler(ApiError)
+        async def _api_error(request: Request, exc: ApiError):
+            return JSONResponse(exc.payload(), status_code=exc.status)
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation(request: Request, exc: RequestValidationError):
+            return JSONResponse(ApiError(422, "ValidationError", _validation_message(exc)).payload(), status_code=422)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, exc: StarletteHTTPException):
+            return JSONResponse(
+                ApiError(exc.status_code, "HTTPError", str(exc.detail)).payload(),
+                status_code=exc.status_code,
+                headers=getattr(exc, "headers", None),
+            )
+
+        @app.exception_handler(Exception)
+        async def _crash(request: Request, exc: Exception):
+            log.exception("unhandled error on %s %s", request.method, request.url.path)
+            return JSONResponse(ApiError(500, type(exc).__name__, "internal error").payload(), status_code=500)
+
+        # ---------------------------------------------------------- pause / resume
+        @app.post("/pause")
+        async def pause(request: Request):
+            q = srv._query(request, ("mode", "clear_cache", "wait_for_inflight_requests"))
+            body = await srv._body(request, schemas.EmptyBody, required=False)
+            mode = q.get("mode", "abort")
+            if mode not in schemas.PAUSE_MODES:
+                raise ApiError(422, "ValidationError", f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}")
+            clear_cache = schemas.parse_query_bool("clear_cache", q.get("clear_cache"), True)  # vLLM's default
+            if schemas.parse_query_bool("wait_for_inflight_requests", q.get("wait_for_inflight_requests"), False):
+                mode = "wait" if mode == "abort" else mode  # vLLM's deprecated spelling of mode=wait
+            return await srv._mutation(request, body, lambda: srv._pause(mode, clear_cache))
+
+        @app.post("/resume")
+        async def resume(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.EmptyBody, required=False)
+            return await srv._mutation(request, body, srv._resume)
+
+        @app.get("/is_paused")
+        async def is_paused(request: Request):
+            srv._query(request, ())
+            paused = await srv._in_thread(lambda: srv.engine.is_paused, srv._query_pool)
+            return {"is_paused": paused}
+
+        @app.post("/abort_requests")
+        async def abort_requests(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.AbortRequestsBody, required=False)
+            return await srv._abort_requests(body)
+
+        # ---------------------------------------------------------- weight lifecycle
+        @app.post("/init_weight_transfer_engine")
+        async def init_weight_transfer_engine(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.InitWeightTransferBody, required=True)
+            return await srv._mutation(request, body, lambda: srv._init(body.init_info))
+
+        @app.post("/start_weight_update")
+        async def start_weight_update(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.StartWeightUpdateBody, required=False)
+            return await srv._mutation(request, body, srv._start)
+
+        @app.post("/update_weights")
+        async def update_weights(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.UpdateWeightsBody, required=True)
+            return await srv._mutation(request, body, lambda: srv._update(body.update_info))
+
+        @app.post("/finish_weight_update")
+        async def finish_weight_update(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.FinishWeightUpdateBody, required=False)
+            return await srv._mutation(request, body, lambda: srv._finish(body.weight_version))
+
+        @app.post("/abort_weight_update")
+        async def abort_weight_update(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.EmptyBody, required=False)
+            return await srv._mutation(request, body, srv._abort_update)
+
+        @app.post("/update_weight_version")
+        async def update_weight_version(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.UpdateWeightVersionBody, required=True)
+
+            def op() -> dict[str, Any]:
+                srv._label = body.new_version
+                return {"success": True, "new_version": body.new_version}
+
+            return await srv._mutation(request, body, op)
+
+        @app.get("/weight_info")
+        async def weight_info(request: Request):
+            srv._query(request, ())
+            return await srv._in_thread(srv.weight_info, srv._query_pool)
+
+        @app.get("/weight_spec")
+        async def weight_spec(request: Request):
+            srv._query(request, ())
+            return wire.spec_to_json(await srv._in_thread(srv.engine.weight_spec, srv._query_pool))
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request):
+            q = srv._query(request, ("reset_running_requests", "reset_external"))
+            for name in q:
+                schemas.parse_query_bool(name, q[name], False)
+            body = await srv._body(request, schemas.EmptyBody, required=False)
+
+            def op() -> dict[str, Any]:
+                srv.engine.reset_prefix_cache()
+                return {"status": "ok"}
+
+            return await srv._mutation(request, body, op)
+
+        # ---------------------------------------------------------- generation and status
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await srv._completions(request)
+
+        @app.get("/health")
+        async def health(request: Request):
+            return {}
+
+        @app.get("/stats")
+        async def stats(request: Request):
+            srv._query(request, ())
+            return srv.stats()
+
+        self._document_bodies(app)
+        return app
+
+    @staticmethod
+    def _document_bodies(app: FastAPI) -> None:
+        """Bodies are parsed by hand (strictly); put their schemas in the OpenAPI document anyway."""
+        bodies = {
+            "/init_weight_transfer_engine": schemas.InitWeightTransferBody,
+            "/start_weight_update": schemas.StartWeightUpdateBody,
+            "/update_weights": schemas.UpdateWeightsBody,
+            "/finish_weight_update": schemas.FinishWeightUpdateBody,
+            "/update_weight_version": schemas.UpdateWeightVersionBody,
+            "/abort_requests": schemas.AbortRequestsBody,
+            "/v1/completions": schemas.CompletionBody,
+        }
+
+        def openapi() -> dict[str, Any]:
+            if app.openapi_schema:
+                return app.openapi_schema
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = doc.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(schema.pop("$defs", {}))
+                components[model.__name__] = schema
+                doc["paths"][path]["post"]["requestBody"] = {
+                    "required": path in ("/init_weight_transfer_engine", "/update_weights", "/update_weight_version", "/v1/completions"),
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                }
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            app.openapi_schema = doc
+            return doc
+
+        app.openapi = openapi  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """End every open stream (finish_reason abort) and stop the worker threads."""
+        self._closing = True
+        for live in list(self._live.values()):
+            live.closed = True
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
+        self._query_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# --------------------------------------------------------------------------------------------- running
+class ServerThread:
+    """uvicorn serving a ControlServer from a background thread; `port` is the bound port."""
+
+    def __init__(self, server: ControlServer, log_level: str = "warning"):
+        import uvicorn
+
+        self.server = server
+        host = server.config.host
+        self._uvicorn = uvicorn.Server(
+            uvicorn.Config(
+                server.asgi,
+                host=host,
+                port=server.config.port,
+                log_level=log_level,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=2,
+                timeout_keep_alive=30,
+                h11_max_incomplete_event_size=64 * 1024,  # bounds header size
+            )
+        )
+        self._thread = threading.Thread(target=self._uvicorn.run, name="control-server", daemon=True)
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.server.config.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"control server on {self.server.config.host} exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"control server did not start within {timeout}s")
+            self._thread.join(0.01)
+        self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.close()
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(
+    engine: Engine,
+    receiver: Receiver,
+    token: str | None = None,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    **config: Any,
+) -> ServerThread:
+    """Start a control server in this process (a random token when none is given: read it back from
+    `.server.config.token`). Binds loopback unless `host` says otherwise."""
+    cfg = ServerConfig(token=token or secrets.token_urlsafe(32), host=host, port=port, **config)
+    return ServerThread(ControlServer(engine, receiver, cfg)).start()
+
+
+# --------------------------------------------------------------------------------------------- CLI
+RECEIVERS = {
+    "disk": "harness.paths.disk:DiskReceiver",
+    "broadcast": "harness.paths.broadcast:BroadcastReceiver",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m harness.control.server --path disk --allowed-dir DIR`; the token comes from
+    $WEIGHTSYNC_CONTROL_TOKEN or --token-file (never the command line, which `ps` shows)."""
+    from harness.registry import load_object, make_engine
+
+    ap = argparse.ArgumentParser(prog="python -m harness.control.server", description=main.__doc__)
+    ap.add_argument("--engine", default="reference", help="engine: reference, reference-tied or pkg.module:factory")
+    ap.add_argument("--path", default="disk", help=f"receiver: {sorted(RECEIVERS)} or pkg.module:Class")
+    ap.add_argument("--host", default=DEFAULT_HOST)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--allowed-dir", action="append", default=[], help="directory update paths may name (repeat)")
+    ap.add_argument("--allowed-host", action="append", default=[], help="peer address init_info may name (repeat)")
+    ap.add_argument("--init-override", default="{}", help="JSON merged over every init_info (e.g. this rank)")
+    ap.add_argument("--token-file", help="file holding the bearer token")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    ap.add_argument("--log-level", default="warning")
+    args = ap.parse_args(argv)
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("WEIGHTSYNC_CONTROL_TOKEN")
+    if not token:
+        ap.error("no token: set WEIGHTSYNC_CONTROL_TOKEN or pass --token-file")
+    engine = make_engine(args.engine, None)
+    receiver = load_object(RECEIVERS.get(args.path, args.path))(engine)
+    cfg = ServerConfig(
+        token=token,
+        host=args.host,
+        port=args.port,
+        allowed_dirs=tuple(Path(d) for d in args.allowed_dir),
+        allowed_hosts=tuple(args.allowed_host) or LOOPBACK_HOSTS,
+        init_overrides=json.loads(args.init_override),
+        max_body_bytes=args.max_body_bytes,
+    )
+    thread = ServerThread(ControlServer(engine, receiver, cfg), log_level=args.log_level).start()
+    print(f"weightsync control server listening on {thread.url}", flush=True)
+    try:
+        while thread._thread.is_alive():  # noqa: SLF001
+            thread._thread.join(1.0)  # noqa: SLF001
+    except KeyboardInterrupt:
+        pass
+    finally:
+        thread.stop()
+        receiver.shutdown()
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
