@@ -531,6 +531,8 @@ class ControlServer:
                 continue
             finish = events[-1].finish_reason
             live.tokens += sum(e.token_id is not None for e in events)
+            if finish is not None:
+                self._settle(live, finish)  # counted before the client can see the final chunk
             yield events, finish
             if finish is not None:
                 return
