@@ -1,0 +1,232 @@
+"""The four-phase lifecycle over HTTP: bit-exact delivery, out-of-order refusals, and retries that never
+apply an update twice (lost answers, requests that never arrived, idempotency keys, vLLM-style labels)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from harness.api import GenerationRequest, LifecycleError, UnknownTensorError, VersionError
+from harness.checks import assert_bitwise_equal
+from harness.control.client import AmbiguousResultError, ControlClient
+from harness.control.remote import RemoteDeployment
+from harness.control.server import ControlServer, ServerConfig, ServerThread
+from harness.deployment import push
+from harness.engines.reference import ReferenceEngine
+from harness.paths.broadcast import BroadcastReceiver, BroadcastSender
+from harness.paths.disk import DiskSender
+from suites.control.helpers import request, weights_for
+
+
+class LoseAnswers(httpx.BaseTransport):
+    """A transport that, for the first `n` requests to `path`, either delivers the request and drops the
+    server's answer (mode 'answer': the client sees a ReadTimeout although the server ran it), or drops
+    the request itself (mode 'request': a ConnectError, the server never sees it)."""
+
+    def __init__(self, path: str, n: int = 1, mode: str = "answer"):
+        self.path, self.remaining, self.mode = path, n, mode
+        self._inner = httpx.HTTPTransport()
+
+    def handle_request(self, req: httpx.Request) -> httpx.Response:
+        if req.url.path == self.path and self.remaining > 0:
+            self.remaining -= 1
+            if self.mode == "request":
+                raise httpx.ConnectError("injected: connection refused", request=req)
+            resp = self._inner.handle_request(req)
+            resp.read()
+            resp.close()
+            raise httpx.ReadTimeout("injected: the answer was lost", request=req)
+        return self._inner.handle_request(req)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@pytest.fixture
+def commits(served, monkeypatch) -> list[int]:
+    """Versions the engine committed, in order (counts every commit_weights the receiver makes)."""
+    calls: list[int] = []
+    original = served.engine.commit_weights
+
+    def counting(tensors, version):
+        calls.append(version)
+        return original(tensors, version)
+
+    monkeypatch.setattr(served.engine, "commit_weights", counting)
+    return calls
+
+
+def deployment_with(served, client: ControlClient, name: str) -> RemoteDeployment:
+    """A second trainer-side deployment onto the same server, through `client`."""
+    return RemoteDeployment(DiskSender(served.root / name), [client], [served.engine.read_weights])
+
+
+def attempts(client: ControlClient, path: str) -> list[str]:
+    return [outcome for p, outcome in client.attempts if p == path]
+
+
+# --------------------------------------------------------------------------------------------- delivery
+def test_push_over_http_lands_bit_for_bit_and_serves_the_new_version(served):
+    for version in (1, 2):
+        w = weights_for(served.engine, seed=version)
+        served.push(version, w)
+        assert_bitwise_equal(w, served.engine.read_weights(), f"after pushing version {version} over HTTP")
+        info = served.client.weight_info()
+        assert (info["weight_version"], info["engine_version"]) == (str(version), version), f"weight_info {info}"
+    fresh = ReferenceEngine()
+    try:
+        fresh.commit_weights(weights_for(fresh, seed=2), 2)
+        req = request(12, "fresh")
+        expected = fresh.generate([req])[0]
+    finally:
+        fresh.shutdown()
+    got = served.client.complete(GenerationRequest("remote-" + req.request_id, req.prompt_token_ids, 12))
+    assert got.token_ids == expected.token_ids, f"served {got.token_ids}, a fresh engine with v2 gives {expected.token_ids}"
+    assert got.versions_seen == {2}, f"tokens stamped {got.versions_seen}, expected {{2}}"
+
+
+def test_broadcast_data_plane_behind_the_server(tmp_path):
+    engine = ReferenceEngine()
+    token = "broadcast-token-0123456789"
+    cfg = ServerConfig(token=token, allowed_dirs=(tmp_path,), init_overrides={"rank": 1})
+    thread = ServerThread(ControlServer(engine, BroadcastReceiver(engine), cfg)).start()
+    client = ControlClient(thread.url, token=token)
+    deployment = RemoteDeployment(BroadcastSender(1, "gloo", bucket_bytes=1 << 16, timeout_s=30), [client], [engine.read_weights])
+    try:
+        w = weights_for(engine, seed=5)
+        push(deployment, 1, w)
+        assert_bitwise_equal(w, engine.read_weights(), "broadcast bytes, HTTP control")
+        assert client.weight_info()["engine_version"] == 1
+    finally:
+        deployment.close()
+        thread.stop()
+        engine.shutdown()
+
+
+# --------------------------------------------------------------------------------------------- retries
+def test_lost_answer_to_update_weights_is_replayed_not_reapplied(served, commits):
+    client = served.new_client(transport=LoseAnswers("/update_weights"))
+    w = weights_for(served.engine, seed=1)
+    push(deployment_with(served, client, "ck-upd"), 1, w)
+    assert attempts(client, "/update_weights") == ["unknown: ReadTimeout", "200"], client.attempts
+    assert commits == [1], f"commits {commits}: the retried update_weights must not stage twice"
+    assert served.client.stats()["idempotent_replays"] == 1
+    assert_bitwise_equal(w, served.engine.read_weights(), "after a replayed update_weights")
+
+
+def test_lost_answer_to_finish_is_replayed_not_reapplied(served, commits):
+    client = served.new_client(transport=LoseAnswers("/finish_weight_update"))
+    push(deployment_with(served, client, "ck-fin"), 1, weights_for(served.engine, seed=1))
+    assert attempts(client, "/finish_weight_update") == ["unknown: ReadTimeout", "200"], client.attempts
+    assert commits == [1], f"commits {commits}"
+
+
+def test_lost_finish_without_idempotency_keys_is_recognised_by_version(served, commits):
+    """What the client does against vLLM, which de-duplicates nothing: read /weight_info."""
+    client = served.new_client(idempotency_keys=False, transport=LoseAnswers("/finish_weight_update"))
+    push(deployment_with(served, client, "ck-vllm"), 1, weights_for(served.engine, seed=1))
+    assert attempts(client, "/finish_weight_update") == ["unknown: ReadTimeout", "recognised: already committed"], client.attempts
+    assert commits == [1], f"commits {commits}"
+
+
+def test_unknown_outcome_of_update_without_keys_is_reported_not_retried(served, commits):
+    client = served.new_client(idempotency_keys=False, transport=LoseAnswers("/update_weights"))
+    with pytest.raises(AmbiguousResultError, match="may or may not have applied"):
+        push(deployment_with(served, client, "ck-amb"), 1, weights_for(served.engine, seed=1))
+    assert attempts(client, "/update_weights") == ["unknown: ReadTimeout"], client.attempts
+    assert commits == [] and served.engine.weight_version == 0, f"commits {commits}"
+    w = weights_for(served.engine, seed=2)
+    served.client.init_weight_transfer_engine(served.deployment.init_info)  # back to the fixture's sender
+    served.push(1, w)  # the discarded update does not block the next one
+    assert commits == [1]
+    assert_bitwise_equal(w, served.engine.read_weights(), "next push after an ambiguous update")
+
+
+def test_request_that_never_reached_the_server_is_retried(served, commits):
+    client = served.new_client(idempotency_keys=False, transport=LoseAnswers("/start_weight_update", mode="request"))
+    push(deployment_with(served, client, "ck-conn"), 1, weights_for(served.engine, seed=1))
+    assert attempts(client, "/start_weight_update") == ["not sent: ConnectError", "200"], client.attempts
+    assert commits == [1]
+
+
+def test_finish_of_a_committed_version_is_recognised_not_reapplied(served, commits):
+    served.push(1, weights_for(served.engine, seed=1))
+    again = served.client.finish_weight_update(1)
+    raw = httpx.post(f"{served.url}/finish_weight_update", json={"weight_version": "1"}, headers=served.auth())
+    assert again["already_committed"] is True, again
+    assert raw.status_code == 200 and raw.json()["already_committed"] is True, raw.text
+    assert commits == [1], f"commits {commits}"
+    assert served.client.stats()["finish_recognised"] == 2
+
+
+def test_idempotency_key_reused_for_another_request_is_refused(served):
+    url, key = f"{served.url}/update_weight_version", "key-0123456789"
+    headers = {**served.auth(), "Idempotency-Key": key}
+    first = httpx.post(url, json={"new_version": "policy-a"}, headers=headers)
+    replay = httpx.post(url, json={"new_version": "policy-a"}, headers=headers)
+    other = httpx.post(url, json={"new_version": "policy-b"}, headers=headers)
+    assert (first.status_code, replay.status_code, other.status_code) == (200, 200, 422), (first.text, replay.text, other.text)
+    assert other.json()["error"]["type"] == "IdempotencyKeyReused", other.text
+    assert served.client.weight_version() == "policy-a"
+
+
+# --------------------------------------------------------------------------------------------- refusals
+def test_out_of_order_calls_are_refused_and_the_server_recovers(served):
+    c = served.client
+    info = served.deployment.sender.prepare(1, weights_for(served.engine, seed=1))
+    with pytest.raises(LifecycleError, match="outside an update") as e1:
+        c.update_weights(info)
+    with pytest.raises(LifecycleError) as e2:
+        c.finish_weight_update(1)
+    c.start_weight_update()
+    with pytest.raises(LifecycleError, match="in progress") as e3:
+        c.start_weight_update()
+    assert {e.value.status for e in (e1, e2, e3)} == {409}, [str(e.value) for e in (e1, e2, e3)]
+    c.update_weights(info)
+    c.finish_weight_update(1)
+    assert served.engine.weight_version == 1
+    c.start_weight_update()
+    with pytest.raises(VersionError, match="not newer"):
+        c.update_weights(info)  # version 1 again, now that 1 is committed
+    c.abort_weight_update()
+    assert served.engine.weight_version == 1 and not c.weight_info()["update_in_progress"]
+
+
+def test_refused_update_weights_poisons_the_finish(served, commits):
+    c = served.client
+    c.start_weight_update()
+    info = served.deployment.sender.prepare(1, weights_for(served.engine, seed=1))
+    forged = {**info, "manifest": {**info["manifest"], "entries": [dict(e) for e in info["manifest"]["entries"]]}}
+    forged["manifest"]["entries"][0]["name"] = "model.layers.99.mystery.weight"
+    with pytest.raises(UnknownTensorError, match="mystery") as refused:
+        c.update_weights(forged)
+    assert refused.value.status == 422
+    with pytest.raises(LifecycleError, match="refused update_weights"):
+        c.finish_weight_update(1)
+    assert commits == [] and served.engine.weight_version == 0
+    served.push(1, weights_for(served.engine, seed=1))
+    assert commits == [1]
+
+
+def test_older_version_is_refused(served):
+    served.push(2, weights_for(served.engine, seed=2))
+    with pytest.raises(VersionError, match="already committed") as e:
+        served.client.finish_weight_update(1)
+    assert e.value.status == 409 and served.engine.weight_version == 2
+
+
+def test_version_labels_follow_vllm(served):
+    """vLLM labels versions with free strings at finish, or later with /update_weight_version."""
+    c = served.client
+    c.start_weight_update()
+    c.update_weights(served.deployment.sender.prepare(1, weights_for(served.engine, seed=1)))
+    c.finish_weight_update("step-1")
+    info = c.weight_info()
+    assert (info["weight_version"], info["engine_version"]) == ("step-1", 1), info
+    c.update_weight_version("policy-7")
+    assert c.weight_info()["weight_version"] == "policy-7" and served.engine.weight_version == 1
+    c.start_weight_update()
+    c.update_weights(served.deployment.sender.prepare(2, weights_for(served.engine, seed=2)))
+    c.finish_weight_update(None)  # what vLLM's HTTPVLLMWeightSyncClient sends: no body at all
+    info = c.weight_info()
+    assert (info["weight_version"], info["engine_version"]) == ("2", 2), info
