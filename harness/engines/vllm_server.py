@@ -180,7 +180,10 @@ class ServerVllm(VllmEngine):
         super().__init__(model_dir, workdir)
         self.server = VllmServerProcess(model_dir, workdir, **server_options)
         self.server.start()
-        self.http = httpx.Client(base_url=self.server.url, timeout=httpx.Timeout(300.0, connect=10.0))
+        # A route that raises makes uvicorn drop the connection after its 500: no keep-alive reuse.
+        self.http = httpx.Client(
+            base_url=self.server.url, timeout=httpx.Timeout(300.0, connect=10.0), headers={"Connection": "close"}
+        )
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self.request_errors: dict[str, str] = {}  # request id -> why its stream ended early

@@ -15,7 +15,9 @@ Tensors travel as safetensors files, never pickle. Every check runs before the m
 a refused update leaves the served weights as they were, bit for bit: the announced manifest must be
 the one on disk, every digest must match, every name and shape must be one the checkpoint has, and a
 fused group (q/k/v, gate/up) must arrive whole within one update_weights call (vLLM's layerwise
-reload fills the missing rows of a partial group with uninitialised memory).
+reload fills the missing rows of a partial group with uninitialised memory). After the reload, a
+layer tied to a loaded Parameter (a tied LM head) gets its packed CPU kernel rebuilt, which vLLM's
+reload does not do.
 
 Errors are ValueErrors whose message starts with the harness error class name
 ("UnknownTensorError: ..."), so the harness can re-raise the right type from either form (in-process
@@ -62,9 +64,10 @@ class FilesInitInfo(WeightTransferInitInfo):
 class FilesUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     manifest: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Reproduction hook only: lets a partial fused group through to vLLM's own reload, to show what
-    # vLLM does with it. Never set by the harness's Receiver.
-    allow_partial_groups: bool = False
+    # Reproduction hook only: skip the transport's fused-group guard and its tied-head repack, and
+    # hand the verified tensors to vLLM's layerwise reload as they are, to show what vLLM itself does.
+    # Never set by the harness's Receiver.
+    raw_vllm_reload: bool = False
 
 
 def model_layout(model: torch.nn.Module, model_config: Any) -> FusedLayout:
@@ -85,6 +88,7 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
         self._roots: set[Path] = set()
         self._staged: dict[str, torch.Tensor] = {}
         self._layout: FusedLayout | None = None
+        self._raw = False
 
     @property
     def layout(self) -> FusedLayout:
@@ -97,7 +101,7 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
         return len(self._staged)
 
     def discard(self) -> int:
-        n, self._staged = len(self._staged), {}
+        n, self._staged, self._raw = len(self._staged), {}, False
         return n
 
     # ------------------------------------------------------------------ vLLM lifecycle
@@ -123,9 +127,11 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
             self._staged = {}  # vLLM ends the session on an error; nothing of it may be applied later
             raise
         self._staged.update(tensors)
+        self._raw = self._raw or update_info.raw_vllm_reload
 
     def finish_weight_update(self) -> None:
         staged, self._staged = self._staged, {}
+        raw, self._raw = self._raw, False
         if not staged:
             return  # an empty or discarded update leaves the model exactly as it is
         # Imported here: the reload module pulls in model-loader machinery the factory does not need.
@@ -137,6 +143,8 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
         initialize_layerwise_reload(self.model)
         self.model.load_weights(list(staged.items()))
         finalize_layerwise_reload(self.model, self.model_config)
+        if not raw:
+            repack_tied_kernels(self.model, {self.layout.live_name(n) for n in staged})
 
     def shutdown(self) -> None:
         self._staged = {}
@@ -171,7 +179,7 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
                     f"version {v}: tensor {e.name!r} is {e.shape} {e.dtype}, the model holds {s.shape} {dtype_name(s.dtype)}",
                 )
         partial = self.layout.incomplete_groups(manifest.names)
-        if partial and not info.allow_partial_groups:
+        if partial and not info.raw_vllm_reload:
             raise RefusedUpdate(
                 "ManifestMismatch",
                 f"version {v}: fused group(s) sent in part: {partial}; send every part in the same update_weights call",
@@ -191,6 +199,28 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
             raise RefusedUpdate(type(exc).__name__, str(exc)) from None
         # Detach from the files: the sender may delete old checkpoints before finish applies these.
         return {n: t.clone() for n, t in tensors.items()}
+
+
+def repack_tied_kernels(model: torch.nn.Module, loaded: set[str]) -> list[str]:
+    """Rebuild the CPU GEMM kernel of every layer that shares a loaded Parameter under another name.
+
+    A tied LM head shares the embedding's Parameter, but on CPU it computes through its own packed
+    oneDNN copy of it. vLLM's layerwise reload only re-processes the layer the name was loaded into
+    (the embedding), so the head would keep computing with the old embedding (see
+    suites/vllm/test_vllm_findings.py). Returns the names of the layers repacked."""
+    names_by_param: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(p), []).append(name)
+    repacked = []
+    for names in names_by_param.values():
+        if len(names) < 2 or not loaded.intersection(names):
+            continue
+        for name in names:
+            module = model.get_submodule(name.rpartition(".")[0])
+            if name not in loaded and hasattr(module, "cpu_linear") and hasattr(module, "quant_method"):
+                module.quant_method.process_weights_after_loading(module)
+                repacked.append(name)
+    return repacked
 
 
 try:
@@ -234,9 +264,16 @@ class WeightSyncWorkerExtension:
     """Mixed into vLLM's worker; its methods are callable through collective_rpc (and the server's
     /collective_rpc). Arguments and results are JSON-able; tensors go through files."""
 
+    def _weightsync_layout(self) -> FusedLayout:
+        # The transport's copy, read once: model_config.model moves if anyone reloads from a path.
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, FilesWeightTransferEngine):
+            return engine.layout
+        return model_layout(self.model_runner.model, self.model_config)
+
     def weightsync_spec(self) -> dict[str, Any]:
         """The checkpoint spec updates are checked against, and the fusion rules."""
-        layout = model_layout(self.model_runner.model, self.model_config)
+        layout = self._weightsync_layout()
         return {
             "spec": {n: {"shape": list(s.shape), "dtype": dtype_name(s.dtype)} for n, s in layout.spec.items()},
             "packed": {k: list(v) for k, v in layout.packed.items()},
@@ -252,7 +289,7 @@ class WeightSyncWorkerExtension:
         if layout == "live":
             tensors = live
         elif layout == "checkpoint":
-            tensors = model_layout(model, self.model_config).to_checkpoint(live)
+            tensors = self._weightsync_layout().to_checkpoint(live)
         else:
             raise ValueError(f"layout must be 'checkpoint' or 'live', got {layout!r}")
         tmp = f"{path}.tmp-{os.getpid()}"
