@@ -139,6 +139,12 @@ class RequestStream:
             i += 1
             yield event
 
+    @property
+    def token_count(self) -> int:
+        """Tokens produced so far."""
+        with self._cond:
+            return sum(e.token_id is not None for e in self._events)
+
     def events_after(self, index: int, timeout: float) -> list[TokenEvent]:
         """Events from `index` on, waiting up to `timeout` for at least one (for remote pumps)."""
         with self._cond:

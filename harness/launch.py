@@ -83,11 +83,19 @@ class _RankServer:
             self.streams[req.request_id] = e.submit(req)
             return None, None
         if op == "poll":
-            stream = self.streams[args["request_id"]]
-            events = stream.events_after(args["after"], args["wait"])
-            if events and events[-1].finish_reason is not None:
-                self.streams.pop(args["request_id"], None)
-            return [wire.event_to_json(ev) for ev in events], None
+            # events after each request's cursor; wait (briefly) on the oldest open one if none is new
+            out = {}
+            for rid, after in args["after"].items():
+                stream = self.streams.get(rid)
+                out[rid] = [wire.event_to_json(ev) for ev in stream.events_after(after, 0.0)] if stream else []
+            if not any(out.values()) and args["after"]:
+                rid, after = next(iter(args["after"].items()))
+                if rid in self.streams:
+                    out[rid] = [wire.event_to_json(ev) for ev in self.streams[rid].events_after(after, args["wait"])]
+            for rid, events in out.items():
+                if events and events[-1]["finish_reason"] is not None:
+                    self.streams.pop(rid, None)
+            return out, None
         if op == "pause":
             return e.pause(args["mode"], args["clear_cache"]), None
         if op == "resume":
@@ -242,10 +250,14 @@ class RemoteReceiver(Receiver):
 
 
 class RemoteEngine(Engine):
-    """An engine in a rank process; streams are pumped back by a thread per request."""
+    """An engine in a rank process. One pump thread polls the rank for the events of every open
+    request in a single call and feeds the local streams."""
 
     def __init__(self, rank: RankProcess):
         self.rank = rank
+        self._active: dict[str, tuple[RequestStream, list[int]]] = {}  # id -> (stream, [events seen])
+        self._lock = threading.Lock()  # guards _active and serialises polls (no event pushed twice)
+        self._pump: threading.Thread | None = None
 
     @property
     def weight_version(self) -> int:
@@ -254,22 +266,39 @@ class RemoteEngine(Engine):
     def weight_spec(self) -> dict[str, TensorSpec]:
         return wire.spec_from_json(self.rank.call("weight_spec")) or {}
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        self.rank.call("submit", request=wire.request_to_json(request))
-        stream = RequestStream(request)
-
-        def pump() -> None:
-            seen = 0
-            while not stream.done:
-                for ev in self.rank.call("poll", request_id=request.request_id, after=seen, wait=0.2):
+    def _poll(self, wait: float) -> bool:
+        """Fetch new events of every open request; False once none is open."""
+        with self._lock:
+            if not self._active:
+                return False
+            after = {rid: seen[0] for rid, (_, seen) in self._active.items()}
+            batches = self.rank.call("poll", after=after, wait=wait)
+            for rid, events in batches.items():
+                stream, seen = self._active[rid]
+                for ev in events:
                     stream.push(wire.event_from_json(ev))
-                    seen += 1
+                seen[0] += len(events)
+                if stream.done:
+                    del self._active[rid]
+            return bool(self._active)
 
-        threading.Thread(target=pump, name=f"pump-{request.request_id}", daemon=True).start()
+    def _pump_loop(self) -> None:
+        while self._poll(0.05):
+            pass
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request)
+        with self._lock:
+            self.rank.call("submit", request=wire.request_to_json(request))
+            self._active[request.request_id] = (stream, [0])
+            if self._pump is None or not self._pump.is_alive():
+                self._pump = threading.Thread(target=self._pump_loop, name="remote-engine-pump", daemon=True)
+                self._pump.start()
         return stream
 
     def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
         self.rank.call("pause", mode=mode, clear_cache=clear_cache)
+        self._poll(0.0)  # what the pause ended or froze shows in the local streams on return
 
     def resume(self) -> None:
         self.rank.call("resume")

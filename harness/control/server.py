@@ -645,6 +645,12 @@ class ControlServer:
         async def _api_error(request: Request, exc: ApiError):
             return JSONResponse(exc.payload(), status_code=exc.status)
 
+        @app.exception_handler(BadRequest)
+        @app.exception_handler(WeightSyncError)
+        async def _refused(request: Request, exc: Exception):
+            err = api_error(exc) or ApiError(400, type(exc).__name__, str(exc))
+            return JSONResponse(err.payload(), status_code=err.status)
+
         @app.exception_handler(RequestValidationError)
         async def _validation(request: Request, exc: RequestValidationError):
             return JSONResponse(ApiError(422, "ValidationError", _validation_message(exc)).payload(), status_code=422)

@@ -254,9 +254,8 @@ class ReferenceEngine(Engine):
                 self.prefix_cache_hits += 1
                 break
         logits, cache = tiny_lm.forward(self.config, self._live, prompt[start:], cached)
-        aligned = len(prompt) // PREFIX_BLOCK * PREFIX_BLOCK
-        if aligned:
-            self._prefix_cache[tuple(prompt[:aligned])] = [(k[:, :aligned], v[:, :aligned]) for k, v in cache]
+        for n in range(PREFIX_BLOCK, len(prompt) + 1, PREFIX_BLOCK):  # every block boundary (views, no copies)
+            self._prefix_cache.setdefault(tuple(prompt[:n]), [(k[:, :n], v[:, :n]) for k, v in cache])
         r.cache = cache
         return logits
 
