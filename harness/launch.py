@@ -33,8 +33,10 @@ from harness.api import (
     RequestStream,
     Sender,
     TensorSpec,
+    TokenEvent,
     TransferError,
     WeightSpec,
+    WeightSyncError,
 )
 from harness.registry import load_object, make_engine
 
@@ -65,10 +67,9 @@ class _RankServer:
         if op == "abort_weight_update":
             return r.abort_weight_update(), None
         if op == "reset":
-            e.shutdown()
+            e.shutdown()  # ends its open requests with 'abort'; their streams stay pollable
             self.engine = make_engine(self.engine_name, wire.spec_from_json(args["spec"]))
             r.rebind(self.engine)
-            self.streams.clear()
             return None, None
         if op == "weight_version":
             return e.weight_version, None
@@ -283,8 +284,17 @@ class RemoteEngine(Engine):
             return bool(self._active)
 
     def _pump_loop(self) -> None:
-        while self._poll(0.05):
-            pass
+        try:
+            while self._poll(0.05):
+                pass
+        except WeightSyncError as exc:
+            # the rank is gone: its open requests are lost, and their streams say so
+            with self._lock:
+                for rid, (stream, seen) in self._active.items():
+                    if not stream.done:
+                        stream.push(TokenEvent(rid, seen[0], None, -1, "abort"))
+                self._active.clear()
+            print(f"rank {self.rank.rank}: open requests aborted: {exc}", file=sys.stderr)
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         stream = RequestStream(request)

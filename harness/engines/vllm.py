@@ -78,7 +78,9 @@ def harness_error(message: str, context: str) -> WeightSyncError:
     the error class name, which survives both in-process exceptions and HTTP error bodies."""
     m = _ERROR_RE.search(message)
     if m:
-        detail = m.group(2).strip().splitlines()[0].rstrip('"}').rstrip("\\")
+        detail = m.group(2).strip().splitlines()[0]
+        # vLLM wraps a worker's message as "Worker failed with error '<message>', please check ..."
+        detail = re.split(r"'?, please check the stack trace", detail)[0].rstrip("'\"} \\")
         return _ERRORS[m.group(1)](f"{context}: {detail}")
     return TransferError(f"{context}: vLLM failed: {message.strip()[-1500:]}")
 
@@ -327,7 +329,7 @@ class InProcessVllm(VllmEngine):
         model_dir: str | os.PathLike,
         workdir: str | os.PathLike,
         dtype: str = "float32",
-        max_model_len: int = 512,
+        max_model_len: int = 2048,
         max_num_seqs: int = 8,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,
@@ -403,8 +405,10 @@ class InProcessVllm(VllmEngine):
         with self._cond:
             return self._llm_engine.get_weight_version()
 
-    def reset_prefix_cache(self) -> None:
-        if not self._guarded("reset_prefix_cache", self._llm_engine.reset_prefix_cache):
+    def reset_prefix_cache(self, reset_running_requests: bool = True) -> None:
+        """Drop every cached KV block; with reset_running_requests, running requests' blocks too
+        (vLLM preempts them and they recompute), so no block computed with old weights survives."""
+        if not self._guarded("reset_prefix_cache", lambda: self._llm_engine.reset_prefix_cache(reset_running_requests)):
             raise EngineStateError(f"{self.form} vLLM refused to reset its prefix cache (blocks still in use)")
 
     # ------------------------------------------------------------------ requests

@@ -63,7 +63,7 @@ class VllmServerProcess:
         model_dir: str | os.PathLike,
         workdir: str | os.PathLike,
         dtype: str = "float32",
-        max_model_len: int = 512,
+        max_model_len: int = 2048,
         max_num_seqs: int = 8,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,
@@ -224,8 +224,11 @@ class ServerVllm(VllmEngine):
     def vllm_weight_version(self) -> str:
         return self.call("GET", "/weight_info").json()["weight_version"]
 
-    def reset_prefix_cache(self) -> None:
-        if not self.call("POST", "/reset_prefix_cache").json().get("success"):
+    def reset_prefix_cache(self, reset_running_requests: bool = True) -> None:
+        """Drop every cached KV block; with reset_running_requests, running requests' blocks too
+        (vLLM preempts them and they recompute), so no block computed with old weights survives."""
+        params = {"reset_running_requests": str(reset_running_requests).lower()}
+        if not self.call("POST", "/reset_prefix_cache", params=params).json().get("success"):
             raise EngineStateError("vLLM server refused to reset its prefix cache (blocks still in use)")
 
     # ------------------------------------------------------------------ pause
