@@ -771,6 +771,7 @@ class ControlServer:
 
         @app.get("/health")
         async def health(request: Request):
+            srv._query(request, ())
             return {}
 
         @app.get("/stats")

@@ -1,0 +1,271 @@
+"""Security beyond vLLM's dev routes (which have no auth): bearer token on every mutating route,
+loopback by default, bounded bodies, strict schemas, validated versions, and file paths confined to
+the allowed directory. Every refusal is a 4xx with a message, and the server keeps serving the last
+committed version bit for bit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from harness.checks import assert_bitwise_equal
+from harness.control.server import ServerConfig
+from suites.control.helpers import request, weights_for
+
+MUTATING = {
+    "/pause": {"params": {"mode": "keep"}},
+    "/resume": {},
+    "/abort_requests": {},
+    "/init_weight_transfer_engine": {"json": {"init_info": {"root": "/tmp"}}},
+    "/start_weight_update": {},
+    "/update_weights": {"json": {"update_info": {}}},
+    "/finish_weight_update": {"json": {"weight_version": "1"}},
+    "/abort_weight_update": {},
+    "/update_weight_version": {"json": {"new_version": "stolen"}},
+    "/reset_prefix_cache": {},
+    "/v1/completions": {"json": {"prompt": [1, 2], "max_tokens": 2}},
+}
+READ_ONLY = ["/is_paused", "/weight_info", "/weight_spec", "/stats", "/health"]
+
+
+def bad_authorizations(token: str) -> list[dict[str, str]]:
+    return [
+        {},
+        {"Authorization": ""},
+        {"Authorization": "Bearer"},
+        {"Authorization": "Bearer wrong-token-wrong-token"},
+        {"Authorization": f"Bearer {token[:-1]}"},
+        {"Authorization": f"Bearer  {token}"},
+        {"Authorization": f"bearer {token}"},
+        {"Authorization": f"Basic {token}"},
+        {"Authorization": token},
+    ]
+
+
+def assert_untouched(served, weights, label="0", version=0) -> None:
+    """The engine serves `version` with `weights`, unpaused, no update open, nothing generated."""
+    info = served.client.weight_info()
+    assert (info["weight_version"], info["engine_version"], info["update_in_progress"]) == (label, version, False), info
+    assert not served.engine.is_paused, "a refused request paused the engine"
+    assert_bitwise_equal(weights, served.engine.read_weights(), "after refused requests")
+
+
+def assert_refused(resp: httpx.Response, status: int, fragment: str = "") -> None:
+    assert resp.status_code == status, f"{resp.request.method} {resp.request.url}: {resp.status_code} {resp.text[:300]}"
+    message = resp.json()["error"]["message"]
+    assert fragment.lower() in message.lower(), f"error {message!r} does not say {fragment!r}"
+
+
+# --------------------------------------------------------------------------------------------- auth
+@pytest.mark.parametrize("path", sorted(MUTATING))
+def test_mutating_route_needs_the_bearer_token(served, path):
+    before = served.engine.read_weights()
+    for headers in bad_authorizations(served.token):
+        resp = httpx.post(served.url + path, headers=headers, **MUTATING[path])
+        assert_refused(resp, 401, "bearer token")
+        assert resp.headers.get("www-authenticate") == "Bearer", resp.headers
+    assert_untouched(served, before)
+    assert served.client.stats()["submitted"] == 0, "an unauthenticated completion reached the engine"
+
+
+def test_read_only_routes_need_no_token(served):
+    for path in READ_ONLY:
+        resp = httpx.get(served.url + path)
+        assert resp.status_code == 200, f"GET {path}: {resp.status_code} {resp.text[:200]}"
+
+
+def test_binds_loopback_by_default(served):
+    assert ServerConfig(token="x" * 16).host == "127.0.0.1"
+    bound = served.thread._uvicorn.servers[0].sockets[0].getsockname()  # noqa: SLF001
+    assert bound[0] == "127.0.0.1", f"server bound {bound}"
+
+
+@pytest.mark.parametrize("token", [None, "", "short"])
+def test_there_is_no_unauthenticated_mode(token):
+    with pytest.raises(ValueError, match="token"):
+        ServerConfig(token=token)  # type: ignore[arg-type]
+
+
+def test_cli_binds_loopback_and_requires_a_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_CONTROL_TOKEN"}
+    cmd = [sys.executable, "-m", "harness.control.server", "--allowed-dir", str(tmp_path)]
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "no token" in refused.stderr, (refused.returncode, refused.stderr[-500:])
+    token = "cli-token-0123456789abcdef"
+    proc = subprocess.Popen(cmd, env={**env, "WEIGHTSYNC_CONTROL_TOKEN": token}, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once the socket is bound
+        url = line.rsplit(" ", 1)[-1].strip()
+        assert url.startswith("http://127.0.0.1:"), f"CLI said {line!r}"
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + "/resume").status_code == 401
+        assert httpx.post(url + "/resume", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# --------------------------------------------------------------------------------------------- size
+def test_oversized_bodies_are_refused_before_parsing(make_served):
+    served = make_served(max_body_bytes=4096)
+    before = served.engine.read_weights()
+    big = b'{"update_info": {"pad": "' + b"x" * 5000 + b'"}}'
+    declared = httpx.post(served.url + "/update_weights", content=big, headers={**served.auth(), "content-type": "application/json"})
+    assert_refused(declared, 413, "limit")
+    chunked = httpx.post(served.url + "/update_weights", content=iter([big[:3000], big[3000:]]), headers=served.auth())
+    assert_refused(chunked, 413, "limit")
+    assert_untouched(served, before)
+    served.push(1, weights_for(served.engine, seed=1))
+
+
+# --------------------------------------------------------------------------------------------- schemas
+STRICT_CASES = [
+    # (path, query, raw body or JSON, status, message fragment)
+    ("/start_weight_update", None, {"is_checkpoint_format": True, "extra": 1}, 422, "extra"),
+    ("/start_weight_update", None, {"is_checkpoint_format": "true"}, 422, "boolean"),
+    ("/init_weight_transfer_engine", None, {"init_info": {}, "rank": 1}, 422, "extra"),
+    ("/init_weight_transfer_engine", None, {}, 422, "init_info"),
+    ("/update_weights", None, {"update_info": []}, 422, "object"),
+    ("/update_weights", None, None, 422, "body is required"),
+    ("/abort_requests", None, {"request_ids": "abc"}, 422, "array"),
+    ("/abort_requests", None, {"request_ids": ["../x"]}, 422, "pattern"),
+    ("/resume", {"now": "1"}, None, 422, "unknown query"),
+    ("/pause", {"mode": "sleep"}, None, 422, "mode"),
+    ("/pause", {"mode": "keep", "clear_cache": "maybe"}, None, 400, "not a boolean"),
+    ("/pause", [("mode", "keep"), ("mode", "abort")], None, 422, "2 times"),
+    ("/reset_prefix_cache", {"reset_external": "yes"}, None, 400, "not a boolean"),
+    ("/v1/completions", None, {"prompt": "hello", "max_tokens": 2}, 422, "array"),
+    ("/v1/completions", None, {"prompt": [], "max_tokens": 2}, 422, "at least 1"),
+    ("/v1/completions", None, {"prompt": [-1], "max_tokens": 2}, 422, "greater than or equal"),
+    ("/v1/completions", None, {"prompt": [300], "max_tokens": 2}, 400, "outside vocab"),
+    ("/v1/completions", None, {"prompt": [1], "max_tokens": "3"}, 422, "integer"),
+    ("/v1/completions", None, {"prompt": [1], "max_tokens": 0}, 422, "greater than or equal"),
+    ("/v1/completions", None, {"prompt": [1], "temperature": 0.7}, 422, "less than or equal"),
+    ("/v1/completions", None, {"prompt": [1], "n": 2}, 422, "less than or equal"),
+    ("/v1/completions", None, {"prompt": [1], "logprobs": 5}, 422, "extra"),
+    ("/v1/completions", None, {"prompt": [1], "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/completions", None, b'{"prompt": [1], "temperature": NaN}', 422, "finite"),
+    ("/v1/completions", None, b'{"prompt": [1', 422, "json"),
+    ("/v1/completions", None, b"[" * 5000 + b"]" * 5000, 422, "recursion"),
+    ("/update_weight_version", None, b"\xff\xfe\x00", 422, "json"),
+]
+
+
+@pytest.mark.parametrize(("path", "query", "body", "status", "fragment"), STRICT_CASES, ids=lambda v: str(v)[:30])
+def test_strict_schemas_refuse_with_a_message(served, path, query, body, status, fragment):
+    before = served.engine.read_weights()
+    kwargs = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
+    headers = {**served.auth(), "content-type": "application/json"} if isinstance(body, bytes) else served.auth()
+    assert_refused(httpx.post(served.url + path, params=query, headers=headers, **kwargs), status, fragment)
+    assert_untouched(served, before)
+
+
+def test_wrong_content_type_is_refused(served):
+    resp = httpx.post(served.url + "/update_weights", content=b'{"update_info": {}}', headers={**served.auth(), "content-type": "text/plain"})
+    assert_refused(resp, 415, "application/json")
+
+
+# --------------------------------------------------------------------------------------------- versions
+@pytest.mark.parametrize(
+    ("version", "status"),
+    [
+        ("../../etc/passwd", 422),
+        ("a b", 422),
+        ("", 422),
+        ("x" * 65, 422),
+        ("007", 400),
+        ("0", 400),
+        ("9223372036854775808", 400),
+        (0, 422),
+        (-1, 422),
+        (2**63, 422),
+        (True, 422),
+        (1.0, 422),
+        ([1], 422),
+    ],
+    ids=repr,
+)
+def test_version_strings_are_validated(served, version, status):
+    resp = httpx.post(served.url + "/finish_weight_update", json={"weight_version": version}, headers=served.auth())
+    assert resp.status_code == status, f"weight_version={version!r}: {resp.status_code} {resp.text[:300]}"
+    assert served.client.weight_info()["engine_version"] == 0
+
+
+@pytest.mark.parametrize("label", ["../../etc/passwd", "a b", "", "-x", "x" * 65, "v1\n", 7, None, True, ["v1"]], ids=repr)
+def test_version_labels_are_validated(served, label):
+    resp = httpx.post(served.url + "/update_weight_version", json={"new_version": label}, headers=served.auth())
+    assert resp.status_code == 422, f"new_version={label!r}: {resp.status_code} {resp.text[:300]}"
+    assert served.client.weight_version() == "0"
+
+
+# --------------------------------------------------------------------------------------------- paths
+@pytest.fixture
+def outside_checkpoint(served, tmp_path):
+    """A genuine checkpoint of version 1, copied outside the allowed directory; and its update_info."""
+    info = served.deployment.sender.prepare(1, weights_for(served.engine, seed=1))
+    outside = tmp_path / "outside"
+    shutil.copytree(info["path"], outside / "v1")
+    return info, outside / "v1"
+
+
+def _path_cases(served, outside):
+    root = served.root
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    return {
+        "traversal": str(root / ".." / "outside" / "v1"),
+        "absolute outside": str(outside),
+        "symlink out of the root": str(root / "link"),
+        "relative": os.path.relpath(outside),
+        "home": "~/v1",
+        "nul byte": str(root) + "\x00/v1",
+        "system file": "/etc/passwd",
+    }
+
+
+def test_update_paths_outside_the_allowed_directory_are_refused(served, outside_checkpoint):
+    info, outside = outside_checkpoint
+    before = served.engine.read_weights()
+    for what, path in _path_cases(served, outside).items():
+        served.client.start_weight_update()
+        resp = httpx.post(served.url + "/update_weights", json={"update_info": {**info, "path": path}}, headers=served.auth())
+        assert resp.status_code == 400, f"{what} path {path!r}: {resp.status_code} {resp.text[:300]}"
+        assert "path" in resp.json()["error"]["message"], resp.text
+        served.client.abort_weight_update()
+        assert_untouched(served, before)
+    for smuggled in ({"paths": [info["path"], str(outside)]}, {"location": str(outside)}, {"extra": {"file": "/etc/passwd"}}):
+        served.client.start_weight_update()
+        resp = httpx.post(served.url + "/update_weights", json={"update_info": {**info, **smuggled}}, headers=served.auth())
+        assert resp.status_code == 400, f"{smuggled}: {resp.status_code} {resp.text[:300]}"
+        served.client.abort_weight_update()
+    assert_untouched(served, before)
+    served.push(1, weights_for(served.engine, seed=1))
+    assert served.engine.weight_version == 1, "the server stopped serving updates after refused paths"
+
+
+@pytest.mark.parametrize(
+    "init_info",
+    [{"root": "/"}, {"root": "{root}/.."}, {"root": "relative/dir"}, {"root": "{root}", "master_addr": "10.1.2.3"}],
+    ids=["fs-root", "parent", "relative", "foreign-peer"],
+)
+def test_init_info_is_confined_too(served, init_info):
+    info = {k: v.replace("{root}", str(served.root)) for k, v in init_info.items()}
+    resp = httpx.post(served.url + "/init_weight_transfer_engine", json={"init_info": info}, headers=served.auth())
+    assert resp.status_code == 400, f"init_info {info}: {resp.status_code} {resp.text[:300]}"
+    w = weights_for(served.engine, seed=1)
+    served.push(1, w)  # the receiver kept its root
+    assert_bitwise_equal(w, served.engine.read_weights(), "push after a refused init_info")
+
+
+def test_server_keeps_serving_after_hostile_input(served):
+    for path in MUTATING:
+        httpx.post(served.url + path, content=b"\x00" * 100, headers=served.auth())
+    w = weights_for(served.engine, seed=3)
+    served.push(1, w)
+    assert_bitwise_equal(w, served.engine.read_weights(), "push after garbage on every route")
+    c = served.client.complete(request(3, "after-garbage"))
+    assert (len(c.token_ids), c.versions_seen) == (3, {1}), c
