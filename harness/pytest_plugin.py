@@ -1,5 +1,6 @@
 """pytest plugin: select what is under test, print it in the header, provide deployments.
 
+    pytest suites/conformance                                   # disk and broadcast
     pytest suites/conformance --weightsync-backend=broadcast --weightsync-receivers=2,3
     pytest suites/conformance --weightsync-backend=mypkg.sync:make_backend --weightsync-engine=reference
 
@@ -45,29 +46,44 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @dataclasses.dataclass
 class Selection:
-    backend_name: str
-    backend: Backend
+    """What this run tests: one or more backends, one engine factory, receiver counts."""
+
+    backends: dict[str, Backend]
     engine: str
-    receivers: list[int]
+    receivers_option: str
+
+    def receivers(self, name: str) -> list[int]:
+        if self.receivers_option == "auto":
+            return [2, 3] if self.backends[name].capabilities.multi_receiver else [1]
+        return [int(x) for x in self.receivers_option.split(",") if x.strip()]
+
+    def targets(self, single: bool = False) -> list[tuple[str, int]]:
+        """(backend, receiver count) pairs a multi-receiver test runs for."""
+        out = []
+        for name in self.backends:
+            counts = self.receivers(name)
+            out += [(name, n) for n in (counts[:1] if single else counts)]
+        return out
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("weightsync", "weightsync: what is under test")
     group.addoption(
         "--weightsync-backend",
-        default=os.environ.get("WEIGHTSYNC_BACKEND", "disk"),
-        help=f"sync path under test: built-in {sorted(BUILTIN_BACKENDS)} or 'pkg.module:factory' (default: disk)",
+        default=os.environ.get("WEIGHTSYNC_BACKEND", "disk,broadcast"),
+        help=f"sync path(s) under test, comma-separated: built-in {sorted(BUILTIN_BACKENDS)} or "
+        "'pkg.module:factory' (default: disk,broadcast)",
     )
     group.addoption(
         "--weightsync-engine",
         default=os.environ.get("WEIGHTSYNC_ENGINE", "reference"),
-        help="engine factory: 'reference', 'reference-tied' or 'pkg.module:factory' (default: reference)",
+        help="engine factory: 'reference', 'reference-tied', 'reference-bf16' or 'pkg.module:factory'",
     )
     group.addoption(
         "--weightsync-receivers",
         default=os.environ.get("WEIGHTSYNC_RECEIVERS", "auto"),
-        help="comma-separated receiver counts to run each multi-receiver test with (auto: 2,3 when the "
-        "backend claims multi_receiver, else 1)",
+        help="comma-separated receiver counts for each test (auto: 2,3 when the backend claims "
+        "multi_receiver, else 1)",
     )
     group.addoption(
         "--weightsync-results",
@@ -79,15 +95,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _selection(config: pytest.Config) -> Selection:
     sel = getattr(config, "_weightsync_selection", None)
     if sel is None:
-        name = config.getoption("--weightsync-backend")
-        backend = resolve_backend(name)  # raises BackendError with a specific message
+        names = [n.strip() for n in config.getoption("--weightsync-backend").split(",") if n.strip()]
+        backends = {n: resolve_backend(n) for n in names}  # raises BackendError with a specific message
         engine = engine_path(config.getoption("--weightsync-engine"))
-        raw = config.getoption("--weightsync-receivers")
-        if raw == "auto":
-            receivers = [2, 3] if backend.capabilities.multi_receiver else [1]
-        else:
-            receivers = [int(x) for x in raw.split(",") if x.strip()]
-        sel = Selection(name, backend, engine, receivers)
+        sel = Selection(backends, engine, config.getoption("--weightsync-receivers"))
         config._weightsync_selection = sel  # type: ignore[attr-defined]
     return sel
 
@@ -99,22 +110,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     sel = _selection(config)
-    caps = json.dumps(sel.backend.capabilities.describe(), sort_keys=True)
-    return [
-        f"weightsync: backend={sel.backend_name} ({type(sel.backend).__module__}.{type(sel.backend).__name__})",
-        f"weightsync: engine={sel.engine} receivers={sel.receivers}",
-        f"weightsync: capabilities={caps}",
-        f"weightsync: hypothesis profile={settings._current_profile}",  # noqa: SLF001
-    ]
+    lines = []
+    for name, b in sel.backends.items():
+        caps = json.dumps(b.capabilities.describe(), sort_keys=True)
+        lines.append(f"weightsync: backend={name} ({type(b).__module__}.{type(b).__name__}) receivers={sel.receivers(name)}")
+        lines.append(f"weightsync:   capabilities={caps}")
+    lines.append(f"weightsync: engine={sel.engine} hypothesis profile={settings._current_profile}")  # noqa: SLF001
+    return lines
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "n_receivers" in metafunc.fixturenames:
-        counts = _selection(metafunc.config).receivers
-        if not any(m.name == "single_receiver" for m in metafunc.definition.iter_markers()):
-            metafunc.parametrize("n_receivers", counts, ids=[f"{n}rx" for n in counts])
-        else:
-            metafunc.parametrize("n_receivers", counts[:1], ids=[f"{counts[0]}rx"])
+    if "ws_target" in metafunc.fixturenames:
+        single = any(m.name == "single_receiver" for m in metafunc.definition.iter_markers())
+        targets = _selection(metafunc.config).targets(single)
+        metafunc.parametrize("ws_target", targets, ids=[f"{b}-{n}rx" for b, n in targets])
 
 
 def require(backend: Backend, *caps: str) -> None:
@@ -127,29 +136,33 @@ def require(backend: Backend, *caps: str) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     sel = _selection(item.config)
+    target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
+    if not target:
+        return
+    name, n = target
+    backend = sel.backends[name]
     for mark in item.iter_markers("requires"):
-        require(sel.backend, *mark.args)
-    n = getattr(item, "callspec", None) and item.callspec.params.get("n_receivers")
-    if n and n > 1 and not sel.backend.capabilities.multi_receiver:
-        pytest.skip(f"{NOT_SUPPORTED}: backend {sel.backend_name!r} does not claim multi_receiver")
-    if n and n > sel.backend.capabilities.max_receivers:
-        pytest.skip(f"{NOT_SUPPORTED}: {n} receivers > max_receivers {sel.backend.capabilities.max_receivers}")
+        require(backend, *mark.args)
+    if n > 1 and not backend.capabilities.multi_receiver:
+        pytest.skip(f"{NOT_SUPPORTED}: backend {name!r} does not claim multi_receiver")
+    if n > backend.capabilities.max_receivers:
+        pytest.skip(f"{NOT_SUPPORTED}: {n} receivers > max_receivers {backend.capabilities.max_receivers}")
 
 
 class DeploymentPool:
-    """One deployment per receiver count, built on first use and shared by the session."""
+    """One deployment per (backend, receiver count), built on first use and shared by the session."""
 
     def __init__(self, sel: Selection, workdir: Path):
         self.sel = sel
         self.workdir = workdir
-        self._deployments: dict[int, Deployment] = {}
+        self._deployments: dict[tuple[str, int], Deployment] = {}
 
-    def get(self, n: int) -> Deployment:
-        if n not in self._deployments:
-            wd = self.workdir / f"{self.sel.backend_name.replace(':', '_').replace('/', '_')}-{n}rx"
+    def get(self, name: str, n: int) -> Deployment:
+        if (name, n) not in self._deployments:
+            wd = self.workdir / f"{name.replace(':', '_').replace('/', '_')}-{n}rx"
             wd.mkdir(parents=True, exist_ok=True)
-            self._deployments[n] = self.sel.backend.deploy(n, None, str(wd), engine=self.sel.engine)
-        return self._deployments[n]
+            self._deployments[(name, n)] = self.sel.backends[name].deploy(n, None, str(wd), engine=self.sel.engine)
+        return self._deployments[(name, n)]
 
     def close(self) -> None:
         for d in self._deployments.values():
@@ -162,9 +175,15 @@ def selection(pytestconfig: pytest.Config) -> Selection:
     return _selection(pytestconfig)
 
 
-@pytest.fixture(scope="session")
-def backend(selection: Selection) -> Backend:
-    return selection.backend
+@pytest.fixture
+def backend(selection: Selection, ws_target) -> Backend:
+    """The backend under test for this test item."""
+    return selection.backends[ws_target[0]]
+
+
+@pytest.fixture
+def n_receivers(ws_target) -> int:
+    return ws_target[1]
 
 
 @pytest.fixture(scope="session")
@@ -176,9 +195,9 @@ def deployment_pool(selection: Selection):
 
 
 @pytest.fixture
-def deployment(deployment_pool: DeploymentPool, n_receivers: int) -> Deployment:
+def deployment(deployment_pool: DeploymentPool, ws_target) -> Deployment:
     """A deployment of the backend under test with fresh engines at version 0."""
-    dep = deployment_pool.get(n_receivers)
+    dep = deployment_pool.get(*ws_target)
     dep.reset(None)
     return dep
 
@@ -220,11 +239,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not path:
         return
     sel = _selection(session.config)
+    names = list(sel.backends)
     data = {
-        "backend": sel.backend_name,
+        "backend": ",".join(names),
         "engine": sel.engine,
-        "receivers": sel.receivers,
-        "capabilities": sel.backend.capabilities.describe(),
+        "receivers": {n: sel.receivers(n) for n in names},
+        "capabilities": {n: sel.backends[n].capabilities.describe() for n in names},
         "hypothesis_profile": settings._current_profile,  # noqa: SLF001
         "exitstatus": int(exitstatus),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

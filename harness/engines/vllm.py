@@ -70,12 +70,22 @@ _ERRORS: dict[str, type[WeightSyncError]] = {
     c.__name__: c
     for c in (LifecycleError, VersionError, UnknownTensorError, ManifestMismatch, TransferError, EngineStateError)
 }
+# vLLM's own lifecycle-order errors (vllm/v1/worker/gpu_worker.py), which carry no harness class name
+_VLLM_LIFECYCLE_MESSAGES = (
+    "finish_weight_update called without a matching start_weight_update",
+    "start_weight_update must be called before update_weights",
+    "start_weight_update called while a weight update is already active",
+    "Weight transfer not configured",
+)
 _ERROR_RE = re.compile(r"\b(" + "|".join(_ERRORS) + r"): (.*)", re.S)
 
 
 def harness_error(message: str, context: str) -> WeightSyncError:
     """The harness error a vLLM-side failure stands for: the transport prefixes its messages with
     the error class name, which survives both in-process exceptions and HTTP error bodies."""
+    for pattern in _VLLM_LIFECYCLE_MESSAGES:
+        if pattern in message:
+            return LifecycleError(f"{context}: vLLM says: {pattern}")
     m = _ERROR_RE.search(message)
     if m:
         detail = m.group(2).strip().splitlines()[0]

@@ -180,9 +180,13 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
                 )
         partial = self.layout.incomplete_groups(manifest.names)
         if partial and not info.raw_vllm_reload:
+            live, missing = next(iter(partial.items()))
+            sent = [n for n in manifest.names if self.layout.live_name(n) == live]
             raise RefusedUpdate(
                 "ManifestMismatch",
-                f"version {v}: fused group(s) sent in part: {partial}; send every part in the same update_weights call",
+                f"version {v}: {sent} sent without {missing}, which vLLM fuses with them into {live!r}"
+                f"{f' (and {len(partial) - 1} more partial groups)' if len(partial) > 1 else ''}; "
+                "send every part of a fused group in the same update_weights call",
             )
         twice = sorted(set(manifest.names) & set(self._staged))
         if twice:

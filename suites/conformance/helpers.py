@@ -15,10 +15,11 @@ from harness.deployment import push
 def rerun_hint(request) -> str:
     """The command that reruns this one test against the same selection."""
     cfg = request.config
+    backend = request.node.callspec.params["ws_target"][0] if hasattr(request.node, "callspec") else ""
     args = [
         "pytest",
         request.node.nodeid,
-        f"--weightsync-backend={cfg.getoption('--weightsync-backend')}",
+        f"--weightsync-backend={backend or cfg.getoption('--weightsync-backend')}",
         f"--weightsync-engine={cfg.getoption('--weightsync-engine')}",
     ]
     return " ".join(shlex.quote(a) for a in args)

@@ -1,0 +1,143 @@
+"""Sync throughput, measured beside the ceiling of the same transport on the same machine.
+
+One row per (path, receivers, size), nccl-tests style: time is the median full lifecycle (start,
+deliver, finish on every engine), algbw = bytes / time, and #wrong counts tensors that did not arrive
+bit for bit (checked in the same run). The ceiling is the raw transport without the harness: file
+write + fsync + read for disk, a bare gloo broadcast of the same buckets for broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harness.api import Backend
+from harness.checks import bitwise_mismatches
+from harness.deployment import push
+from harness.manifest import DEFAULT_BUCKET_BYTES
+from fixtures.payloads import spec_of
+
+
+@dataclasses.dataclass
+class SyncRow:
+    path: str
+    receivers: int
+    size_bytes: int
+    count: int  # tensors
+    dtype: str
+    time_s: float
+    algbw_gbs: float
+    ceiling_gbs: float
+    wrong: int
+
+    @property
+    def ratio(self) -> float:
+        return self.algbw_gbs / self.ceiling_gbs if self.ceiling_gbs else 0.0
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "ratio": round(self.ratio, 4)}
+
+
+def payload(size_bytes: int, n_tensors: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded bf16 tensors totalling about `size_bytes`."""
+    gen = torch.Generator().manual_seed(seed)
+    per = max(1, size_bytes // 2 // n_tensors)
+    return {f"bench.{i}.weight": torch.randn(per, generator=gen).to(torch.bfloat16) for i in range(n_tensors)}
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def disk_ceiling(size_bytes: int, directory: str, repeats: int = 3) -> float:
+    """GB/s of writing one file with fsync and reading it back: what any disk path is bounded by."""
+    data = os.urandom(min(size_bytes, 1 << 20)) * max(1, size_bytes // (1 << 20))
+    path = Path(directory) / "ceiling.bin"
+
+    def once() -> None:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(path, "rb") as f:
+            f.read()
+
+    t = _median_time(once, repeats)
+    path.unlink(missing_ok=True)
+    return len(data) / t / 1e9
+
+
+def gloo_broadcast_ceiling(size_bytes: int, receivers: int, bucket_bytes: int, repeats: int = 3) -> float:
+    """GB/s of a bare gloo broadcast of the same buckets among 1 + receivers ranks (threads here)."""
+    world = receivers + 1
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    n_buckets = max(1, -(-size_bytes // bucket_bytes))
+    sizes = [min(bucket_bytes, size_bytes - i * bucket_bytes) for i in range(n_buckets)]
+    times: list[float] = []
+    barrier = threading.Barrier(world)
+
+    def rank(r: int) -> None:
+        s = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, world, is_master=False, timeout=timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("ceiling/", s), r, world, timeout)
+        bufs = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+        for _ in range(repeats):
+            barrier.wait()
+            t0 = time.perf_counter()
+            for b in bufs:
+                group.broadcast(b, 0).wait()
+            barrier.wait()
+            if r == 0:
+                times.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return size_bytes / statistics.median(times) / 1e9
+
+
+def measure_sync(
+    backend: Backend,
+    sizes: list[int],
+    receivers: int,
+    repeats: int = 3,
+    workdir: str | None = None,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> list[SyncRow]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
+        wd = workdir or tmp
+        for size in sizes:
+            weights = payload(size)
+            nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+            progress(f"{backend.name}: {receivers} receiver(s), {nbytes / 2**20:.0f} MiB")
+            with backend.deploy(receivers, spec_of(weights), str(Path(wd) / f"{backend.name}-{size}")) as dep:
+                version = iter(range(1, 1000))
+                push(dep, next(version), weights)  # warm-up: connections, page cache, allocator
+                t = _median_time(lambda: push(dep, next(version), weights), repeats)
+                wrong = sum(len(bitwise_mismatches(weights, h.engine.read_weights())) for h in dep.handles)
+            if backend.name == "disk":
+                ceiling = disk_ceiling(nbytes, wd, repeats)
+            elif backend.name == "broadcast":
+                ceiling = gloo_broadcast_ceiling(nbytes, receivers, getattr(backend, "bucket_bytes", DEFAULT_BUCKET_BYTES), repeats)
+            else:
+                ceiling = 0.0
+            rows.append(SyncRow(backend.name, receivers, nbytes, len(weights), "bf16", t, nbytes / t / 1e9, ceiling, wrong))
+    return rows

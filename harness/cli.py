@@ -1,0 +1,120 @@
+"""weightsync command line.
+
+    weightsync certify                      # reference paths (disk, broadcast) -> reports/<stamp>/
+    weightsync certify --backend mypkg.sync:make_backend --engine reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from harness.api import WeightSyncError
+from harness.registry import resolve_backend
+
+console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
+
+
+def _suite_dir(name: str) -> Path:
+    import suites
+
+    return Path(suites.__file__).parent / name
+
+
+def run_conformance(backend: str, engine: str, out: Path, profile: str, receivers: str) -> dict:
+    """Run the conformance suite against one backend in a fresh interpreter; returns its results JSON."""
+    results = out / f"conformance-{_slug(backend)}.json"
+    cmd = [
+        sys.executable, "-m", "pytest", str(_suite_dir("conformance")), "-q", "-p", "no:cacheprovider",
+        f"--weightsync-backend={backend}", f"--weightsync-engine={engine}", f"--weightsync-receivers={receivers}",
+        f"--weightsync-results={results}", f"--junitxml={out / f'junit-{_slug(backend)}.xml'}",
+    ]
+    env = {**os.environ, "HYPOTHESIS_PROFILE": profile}
+    log = out / f"pytest-{_slug(backend)}.log"
+    with console.status(f"[bold]conformance[/] {backend}: running {shlex.join(cmd[3:5])} ..."), open(log, "w") as f:
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=_suite_dir("..").resolve())
+    if not results.exists():
+        return {"backend": backend, "exitstatus": proc.returncode, "tests": {},
+                "error": f"pytest produced no results (exit {proc.returncode}); see {log}"}
+    data = json.loads(results.read_text())
+    statuses = [r.get("status") for r in data["tests"].values()]
+    console.print(
+        f"conformance {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
+        f"{statuses.count('not_supported')} NOT_SUPPORTED in {time.monotonic() - t0:.0f}s (log: {log})"
+    )
+    return data
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+def certify(args: argparse.Namespace) -> int:
+    from harness.bench import measure_sync
+    from harness.report import write_report
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out = Path(args.out) / f"certify-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    command = "weightsync " + shlex.join(sys.argv[1:])
+    results, rows = {}, []
+    for name in args.backend:
+        try:
+            backend = resolve_backend(name)
+        except WeightSyncError as exc:
+            console.print(f"[red]{exc}[/]")
+            return 2
+        results[name] = run_conformance(name, args.engine, out, args.profile, args.receivers)
+        if not args.no_bench:
+            counts = [2] if backend.capabilities.multi_receiver else [1]
+            for rx in counts:
+                with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ..."):
+                    rows += measure_sync(backend, [s << 20 for s in args.sizes_mib], rx, repeats=args.repeats)
+    report = write_report(out, results, rows, command)
+    if rows:
+        table = Table(title="sync throughput (median full lifecycle)")
+        for col in ("path", "rx", "size (B)", "count", "time (ms)", "algbw GB/s", "ceiling GB/s", "ratio", "#wrong"):
+            table.add_column(col, justify="right")
+        for r in rows:
+            table.add_row(r.path, str(r.receivers), str(r.size_bytes), str(r.count), f"{r.time_s * 1e3:.2f}",
+                          f"{r.algbw_gbs:.3f}", f"{r.ceiling_gbs:.3f}", f"{r.ratio:.2f}", str(r.wrong))
+        console.print(table)
+    verdict = json.loads((out / "results.json").read_text())["verdict"]
+    wrong = sum(r.wrong for r in rows)
+    colour = "green" if verdict == "PASS" and not wrong else "red"
+    console.print(f"[bold {colour}]{verdict}[/] report: {report}")
+    print(report)
+    return 0 if verdict == "PASS" and not wrong else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("certify", help="run the conformance suite and the throughput table; write a report")
+    c.add_argument("--backend", action="append", help="built-in name or pkg.module:factory (repeatable; default: disk, broadcast)")
+    c.add_argument("--engine", default="reference", help="engine factory (default: reference)")
+    c.add_argument("--receivers", default="auto", help="receiver counts for multi-receiver tests (default: auto)")
+    c.add_argument("--profile", default=os.environ.get("HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"])
+    c.add_argument("--out", default="reports", help="report directory (default: reports/)")
+    c.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64], help="throughput payload sizes")
+    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--no-bench", action="store_true", help="skip the throughput table")
+    args = parser.parse_args(argv)
+    if args.command == "certify":
+        args.backend = args.backend or ["disk", "broadcast"]
+        return certify(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The certification report: one JSON a machine reads, one Markdown page (with a plot) a person reads."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.bench import SyncRow
+
+# test module -> the invariant of DESIGN.md it checks
+INVARIANTS: dict[str, str] = {
+    "test_bitwise": "1 bitwise (dtypes, shapes, NaN, -0.0)",
+    "test_model_updates": "1 bitwise (model, trainer versions)",
+    "test_lifecycle_stateful": "3+5 version monotonicity, lifecycle order",
+    "test_bad_input": "5 bad input refused, nothing lost",
+    "test_pause_resume": "6 pause/resume, no mixing, nothing lost",
+    "test_cache_invalidation": "4 caches invalidated",
+}
+
+
+def environment() -> dict[str, Any]:
+    import os
+
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def invariant_of(nodeid: str) -> str:
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return INVARIANTS.get(module, module)
+
+
+def matrix(results: dict[str, dict]) -> dict[str, dict[str, Counter]]:
+    """invariant -> backend -> Counter of statuses."""
+    out: dict[str, dict[str, Counter]] = {}
+    for backend, res in results.items():
+        for nodeid, rec in res.get("tests", {}).items():
+            out.setdefault(invariant_of(nodeid), {}).setdefault(backend, Counter())[rec.get("status", "unknown")] += 1
+    return out
+
+
+def cell(c: Counter | None) -> str:
+    if not c:
+        return "–"
+    total = sum(c.values())
+    if c.get("failed"):
+        return f"**FAIL** {c['failed']}/{total}"
+    if c.get("passed", 0) == 0 and c.get("not_supported"):
+        return "NOT_SUPPORTED"
+    extra = f" ({c['not_supported']} n/s)" if c.get("not_supported") else ""
+    return f"PASS {c.get('passed', 0)}/{total}{extra}"
+
+
+def verdict(results: dict[str, dict]) -> str:
+    failed = any(
+        rec.get("status") in ("failed", "error") or res.get("exitstatus", 0) not in (0, 5)
+        for res in results.values()
+        for rec in res.get("tests", {}).values()
+    ) or any(res.get("exitstatus", 0) not in (0, 5) for res in results.values())
+    return "FAIL" if failed else "PASS"
+
+
+def plot_throughput(rows: list[SyncRow], path: Path) -> bool:
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for (name, rx), group in _group(rows).items():
+        xs = [r.size_bytes / 2**20 for r in group]
+        ax.plot(xs, [r.algbw_gbs for r in group], marker="o", label=f"{name} {rx}rx")
+        ax.plot(xs, [r.ceiling_gbs for r in group], linestyle="--", alpha=0.6, label=f"{name} {rx}rx ceiling")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("payload (MiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("sync throughput vs the transport's own ceiling")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _group(rows: list[SyncRow]) -> dict[tuple[str, int], list[SyncRow]]:
+    out: dict[tuple[str, int], list[SyncRow]] = {}
+    for r in rows:
+        out.setdefault((r.path, r.receivers), []).append(r)
+    return out
+
+
+def throughput_table(rows: list[SyncRow]) -> list[str]:
+    lines = [
+        "| path | rx | size (B) | count | type | time (ms) | algbw (GB/s) | ceiling (GB/s) | ratio | #wrong |",
+        "| --- | --: | --: | --: | --- | --: | --: | --: | --: | --: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.path} | {r.receivers} | {r.size_bytes} | {r.count} | {r.dtype} | {r.time_s * 1e3:.2f} | "
+            f"{r.algbw_gbs:.3f} | {r.ceiling_gbs:.3f} | {r.ratio:.2f} | {r.wrong} |"
+        )
+    return lines
+
+
+def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], command: str) -> Path:
+    """Write results.json and report.md (+ throughput.png) into out_dir; returns report.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    data = {
+        "verdict": verdict(results),
+        "command": command,
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "environment": env,
+        "conformance": results,
+        "throughput": [r.to_json() for r in rows],
+    }
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+    has_plot = plot_throughput(rows, out_dir / "throughput.png")
+
+    backends = list(results)
+    mat = matrix(results)
+    md = [
+        f"# weightsync certification: {data['verdict']}",
+        "",
+        f"- command: `{command}`",
+        f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
+        f"torch {env['torch']}, CUDA {'yes' if env['cuda'] else 'no'})",
+        "",
+        "## What was under test",
+        "",
+        "| backend | engine | receivers | hypothesis profile | capabilities |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for b in backends:
+        r = results[b]
+        caps = ", ".join(f"{k}={v}" for k, v in r.get("capabilities", {}).get(b, {}).items())
+        rx = r.get("receivers", {}).get(b)
+        md.append(f"| {b} | `{r.get('engine')}` | {rx} | {r.get('hypothesis_profile')} | {caps} |")
+    md += ["", "## Invariants × paths", "", "| invariant | " + " | ".join(backends) + " |",
+           "| --- | " + " | ".join("---" for _ in backends) + " |"]
+    for inv in sorted(mat):
+        md.append(f"| {inv} | " + " | ".join(cell(mat[inv].get(b)) for b in backends) + " |")
+    failures = [(b, n, rec) for b in backends for n, rec in results[b].get("tests", {}).items()
+                if rec.get("status") in ("failed", "error")]
+    if failures:
+        md += ["", "## Failures", ""]
+        for b, n, rec in failures:
+            md += [f"### {b}: `{n}`", "", "```", rec.get("message", "")[-1500:], "```", ""]
+    examples = {b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends}
+    counts = {b: Counter(rec.get("status") for rec in results[b].get("tests", {}).values()) for b in backends}
+    md += ["", "## Counts", "", "| backend | tests | passed | failed | NOT_SUPPORTED | skipped | hypothesis examples |",
+           "| --- | --: | --: | --: | --: | --: | --: |"]
+    for b in backends:
+        c = counts[b]
+        md.append(f"| {b} | {sum(c.values())} | {c['passed']} | {c['failed'] + c['error']} | {c['not_supported']} | "
+                  f"{c['skipped']} | {examples[b]} |")
+    if rows:
+        md += ["", "## Sync throughput", "",
+               "Full lifecycle per push (start, deliver, finish on every engine), median of repeats; algbw = bytes / time; "
+               "ceiling = the raw transport on this machine in the same run (disk: write+fsync+read; broadcast: bare "
+               "gloo broadcast of the same buckets); #wrong = tensors not bitwise equal after the timed pushes.", ""]
+        md += throughput_table(rows)
+        if has_plot:
+            md += ["", "![throughput](throughput.png)"]
+    if rows:
+        md += ["", "## Cost model", "", "GPU-hours spent in sync = sync seconds × GPUs held × steps / 3600, "
+               "for the largest payload measured per path, at 8 GPUs held and 1000 steps:", "",
+               "| path | rx | size (B) | sync (s) | GPU-hours / 1000 steps on 8 GPUs |", "| --- | --: | --: | --: | --: |"]
+        for (name, rx), group in _group(rows).items():
+            r = max(group, key=lambda row: row.size_bytes)
+            md.append(f"| {name} | {rx} | {r.size_bytes} | {r.time_s:.4f} | {r.time_s * 8 * 1000 / 3600:.3f} |")
+    md.append("")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md))
+    return path

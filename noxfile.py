@@ -1,0 +1,34 @@
+"""nox sessions: `nox -s tests` (default tier), `nox -s certify` (the main job), `nox -s thorough`."""
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.default_venv_backend = "venv"
+
+TORCH = "torch==2.13.0"  # CPU build; see pyproject.toml
+
+
+def _install(session: nox.Session, extras: str = "control") -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The default tier CI runs: both reference paths, every conformance suite."""
+    _install(session)
+    session.run("pytest", "-m", "not slow and not vllm", *session.posargs)
+
+
+@nox.session(python="3.11")
+def thorough(session: nox.Session) -> None:
+    """Hypothesis 'thorough' profile and the slow tier."""
+    _install(session)
+    session.run("pytest", "-m", "not vllm", *session.posargs, env={"HYPOTHESIS_PROFILE": "thorough"})
+
+
+@nox.session(python="3.11")
+def certify(session: nox.Session) -> None:
+    """Certify the reference paths and write a report under reports/."""
+    _install(session)
+    session.run("weightsync", "certify", *session.posargs)
