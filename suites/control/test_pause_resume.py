@@ -11,7 +11,9 @@ import pytest
 
 from suites.control.helpers import request, span_report, start_streams, update_under_load, wait_tokens
 
-N_IN_FLIGHT, N_QUEUED, MAX_TOKENS = 4, 2, 48
+N_IN_FLIGHT, N_QUEUED, QUEUED_TOKENS = 4, 2, 8
+LONG = 256  # in-flight requests that must still be running when the pause lands (abort, keep)
+SHORT = 48  # in-flight requests under wait, which the pause lets finish
 
 
 def _check_common(r, record_property) -> None:
@@ -24,7 +26,7 @@ def _check_common(r, record_property) -> None:
         f"requests sent while paused produced tokens before resume: {r.queued_tokens_before_resume}"
     )
     for c in r.queued:
-        assert c.finish_reason == "length" and len(c.token_ids) == MAX_TOKENS, (
+        assert c.finish_reason == "length" and len(c.token_ids) == QUEUED_TOKENS, (
             f"queued {c.request_id}: {len(c.token_ids)} tokens, finish {c.finish_reason}\n{r.describe()}"
         )
         assert c.versions_seen == {1}, f"queued {c.request_id} ran on versions {c.versions_seen}, expected {{1}}"
@@ -39,12 +41,12 @@ def _check_common(r, record_property) -> None:
 
 
 def test_abort_ends_in_flight_requests_with_partial_output(served, record_property):
-    r = update_under_load(served, "abort", version=1, n_in_flight=N_IN_FLIGHT, n_queued=N_QUEUED, max_tokens=MAX_TOKENS)
+    r = update_under_load(served, "abort", 1, N_IN_FLIGHT, N_QUEUED, max_tokens=LONG, queued_tokens=QUEUED_TOKENS)
     _check_common(r, record_property)
     assert all(r.engine_done_at_pause.values()), f"in-flight requests still running after /pause?mode=abort: {r.engine_done_at_pause}"
     for c in r.in_flight:
         assert c.finish_reason == "abort", f"{c.request_id}: finish {c.finish_reason}, expected abort\n{r.describe()}"
-        assert 2 <= len(c.token_ids) < MAX_TOKENS, f"{c.request_id}: {len(c.token_ids)} tokens is not a partial output"
+        assert 2 <= len(c.token_ids) < LONG, f"{c.request_id}: {len(c.token_ids)} tokens is not a partial output"
         assert len(c.token_ids) == r.engine_tokens_at_pause[c.request_id], (
             f"{c.request_id}: client got {len(c.token_ids)} tokens, engine produced {r.engine_tokens_at_pause[c.request_id]}"
         )
@@ -53,13 +55,13 @@ def test_abort_ends_in_flight_requests_with_partial_output(served, record_proper
 
 
 def test_wait_returns_after_in_flight_requests_finish_on_the_old_version(served, record_property):
-    r = update_under_load(served, "wait", version=1, n_in_flight=N_IN_FLIGHT, n_queued=N_QUEUED, max_tokens=MAX_TOKENS)
+    r = update_under_load(served, "wait", 1, N_IN_FLIGHT, N_QUEUED, max_tokens=SHORT, queued_tokens=QUEUED_TOKENS)
     _check_common(r, record_property)
     assert all(r.engine_done_at_pause.values()), (
         f"/pause?mode=wait returned while requests were still in flight: done={r.engine_done_at_pause}"
     )
     for c in r.in_flight:
-        assert c.finish_reason == "length" and len(c.token_ids) == MAX_TOKENS, (
+        assert c.finish_reason == "length" and len(c.token_ids) == SHORT, (
             f"{c.request_id}: {len(c.token_ids)} tokens, finish {c.finish_reason}: wait must let it finish\n{r.describe()}"
         )
         assert c.versions_seen == {0}, f"{c.request_id} saw versions {c.versions_seen}; wait must finish it on v0"
@@ -67,7 +69,7 @@ def test_wait_returns_after_in_flight_requests_finish_on_the_old_version(served,
 
 
 def test_keep_freezes_in_flight_requests_and_continues_them_on_the_new_version(served, record_property):
-    r = update_under_load(served, "keep", version=1, n_in_flight=N_IN_FLIGHT, n_queued=N_QUEUED, max_tokens=MAX_TOKENS)
+    r = update_under_load(served, "keep", 1, N_IN_FLIGHT, N_QUEUED, max_tokens=LONG, queued_tokens=QUEUED_TOKENS)
     _check_common(r, record_property)
     assert not any(r.engine_done_at_pause.values()), f"keep must not end requests: {r.engine_done_at_pause}"
     assert r.engine_tokens_before_resume == r.engine_tokens_at_pause, (
@@ -76,8 +78,8 @@ def test_keep_freezes_in_flight_requests_and_continues_them_on_the_new_version(s
     )
     for c in r.in_flight:
         frozen = r.engine_tokens_at_pause[c.request_id]
-        assert c.finish_reason == "length" and len(c.token_ids) == MAX_TOKENS, f"{c.request_id}: not continued\n{r.describe()}"
-        expected = [0] * frozen + [1] * (MAX_TOKENS - frozen)
+        assert c.finish_reason == "length" and len(c.token_ids) == LONG, f"{c.request_id}: not continued\n{r.describe()}"
+        expected = [0] * frozen + [1] * (LONG - frozen)
         assert c.token_versions == expected, (
             f"{c.request_id}: versions {c.token_versions}, expected v0 for the {frozen} tokens before the pause "
             "and v1 after resume"
