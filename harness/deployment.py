@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from harness.api import JSON, Deployment, Engine, EngineHandle, Sender, TransferError, WeightSpec
+from harness.api import JSON, Deployment, Engine, EngineHandle, Sender, TransferError, WeightSpec, WeightSyncError
 from harness.paths.base import StagingReceiver
 from harness.registry import make_engine
 
@@ -71,20 +71,29 @@ def push(
     deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float = 120.0
 ) -> None:
     """The full lifecycle, as a trainer drives it: start on every engine, deliver, finish(version)
-    everywhere. If any party fails, every receiver discards the update and the error is re-raised."""
-    for h in deployment.handles:
-        h.receiver.start_weight_update()
+    everywhere. If any party fails, every receiver that started discards the update and the first
+    error is re-raised."""
+    started = []
     try:
+        for h in deployment.handles:
+            h.receiver.start_weight_update()
+            started.append(h)
         deliver(deployment, version, named_tensors, timeout)
     except BaseException:
         # No engine may commit a version another engine refused: discard everywhere.
-        for h in deployment.handles:
-            h.receiver.abort_weight_update()
+        _abort_all(started)
         raise
     for i, h in enumerate(deployment.handles):
         try:
             h.receiver.finish_weight_update(version)
         except BaseException:
-            for rest in deployment.handles[i + 1 :]:
-                rest.receiver.abort_weight_update()
+            _abort_all(deployment.handles[i + 1 :])
             raise
+
+
+def _abort_all(handles) -> None:
+    for h in handles:
+        try:
+            h.receiver.abort_weight_update()
+        except WeightSyncError:  # a dead rank cannot abort; the original error is what matters
+            pass

@@ -190,9 +190,14 @@ class RankProcess:
         with self._lock:
             if self._broken:
                 raise TransferError(f"rank {self.rank} is unusable: {self._broken}")
-            self._conn.send_bytes(wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
-            if tensors is not None:
-                self._conn.send_bytes(wire.tensors_to_bytes(tensors))
+            try:
+                self._conn.send_bytes(wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
+                if tensors is not None:
+                    self._conn.send_bytes(wire.tensors_to_bytes(tensors))
+            except OSError as exc:  # BrokenPipe: the rank is gone
+                self.process.join(1.0)
+                self._broken = f"died with exit code {self.process.exitcode} before {op} ({exc})"
+                raise TransferError(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}") from None
             return self._reply(op, timeout or self.timeout)
 
     def _reply(self, op: str, timeout: float):

@@ -61,12 +61,14 @@ class BroadcastSender(Sender):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         addr: str | None = None,
         local_rank: int = 0,
+        port: int | None = None,
     ):
         self.world = n_receivers + 1
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.addr = addr or os.environ.get("WEIGHTSYNC_MASTER_ADDR", "127.0.0.1")
+        self.port = port  # an existing store to join (torchrun's); None: host a new one
         self.device = device_for(backend, local_rank)
         self._group = None
         self._join: threading.Thread | None = None
@@ -75,7 +77,10 @@ class BroadcastSender(Sender):
 
     def init(self) -> JSON:
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = dist.TCPStore(self.addr, 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False)
+        if self.port is None:
+            store = dist.TCPStore(self.addr, 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False)
+        else:
+            store = dist.TCPStore(self.addr, self.port, self.world, is_master=False, timeout=timeout)
         self._store = store
 
         def join() -> None:  # forming the group is collective: it completes once every rank joined
@@ -88,7 +93,7 @@ class BroadcastSender(Sender):
         self._join.start()
         return {
             "master_addr": self.addr,
-            "master_port": store.port,
+            "master_port": self.port or store.port,
             "world_size": self.world,
             "backend": self.backend,
             "timeout_s": self.timeout_s,
@@ -110,6 +115,10 @@ class BroadcastSender(Sender):
         manifest = Manifest.build(version, named_tensors, self.bucket_bytes)
         self._prepared = (manifest, named_tensors)
         return {"manifest": manifest.to_json()}
+
+    def group(self):
+        """The process group once every rank joined (also usable for small control messages)."""
+        return self._wait_group()
 
     def transmit(self) -> None:
         if self._prepared is None:

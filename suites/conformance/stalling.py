@@ -1,0 +1,14 @@
+"""An engine factory whose commit never returns: a rank that hangs, for the supervision tests."""
+
+import threading
+
+from harness.engines.reference import ReferenceEngine
+
+
+class StallingEngine(ReferenceEngine):
+    def commit_weights(self, tensors, version):
+        threading.Event().wait()  # hangs here; the supervisor must notice and dump this stack
+
+
+def make_stalling_engine(spec=None):
+    return StallingEngine(extra=spec)
