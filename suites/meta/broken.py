@@ -1,0 +1,46 @@
+"""Deliberately broken backends and engines: the conformance suite must fail against each of them.
+If one of these ever passes, a check has gone soft."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.engines.reference import ReferenceEngine
+from harness.paths.disk import DiskBackend, DiskSender
+
+
+class SignLosingSender(DiskSender):
+    """Adds +0.0 to float tensors before writing: -0.0 becomes 0.0 (and the manifest agrees)."""
+
+    def prepare(self, version, named_tensors):
+        damaged = {n: (t + 0.0 if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t)
+                   for n, t in named_tensors.items()}
+        return super().prepare(version, damaged)
+
+
+class SignLosingBackend(DiskBackend):
+    name = "broken-sign"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine)
+        broken = SignLosingSender(dep.sender.root)
+        broken._run = dep.sender._run  # noqa: SLF001 - same run directory layout
+        dep.sender = broken
+        return dep
+
+
+class StaleCacheEngine(ReferenceEngine):
+    """Commits weights but keeps its prefix cache: serves KV computed with the old weights."""
+
+    def commit_weights(self, tensors, version):
+        cache = dict(self._prefix_cache)
+        super().commit_weights(tensors, version)
+        self._prefix_cache.update(cache)
+
+
+def make_sign_losing_backend():
+    return SignLosingBackend()
+
+
+def make_stale_cache_engine(spec=None):
+    return StaleCacheEngine(extra=spec)
