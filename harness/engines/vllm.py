@@ -339,7 +339,7 @@ class InProcessVllm(VllmEngine):
         model_dir: str | os.PathLike,
         workdir: str | os.PathLike,
         dtype: str = "float32",
-        max_model_len: int = 2048,
+        max_model_len: int = 4096,
         max_num_seqs: int = 8,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,

@@ -63,7 +63,7 @@ class VllmServerProcess:
         model_dir: str | os.PathLike,
         workdir: str | os.PathLike,
         dtype: str = "float32",
-        max_model_len: int = 2048,
+        max_model_len: int = 4096,
         max_num_seqs: int = 8,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,

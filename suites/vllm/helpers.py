@@ -14,7 +14,7 @@ from harness.deployment import push
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((1, 10, 20, 30), (1, 5, 6), (7, 300, 11, 12, 13, 400, 9))
 GREEDY_TOKENS = 12
-LONG_TOKENS = 1800  # ~3 s of decoding on the tiny model: still running when a pause lands
+LONG_TOKENS = 4000  # ~7 s of decoding on the tiny model: still running when a pause lands
 _request_ids = itertools.count()
 _seeds = itertools.count(1000)
 
