@@ -22,6 +22,7 @@ import abc
 import itertools
 import os
 import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -68,7 +69,14 @@ INITIAL_VERSION = "default"  # what vLLM reports before any versioned update
 
 _ERRORS: dict[str, type[WeightSyncError]] = {
     c.__name__: c
-    for c in (LifecycleError, VersionError, UnknownTensorError, ManifestMismatch, TransferError, EngineStateError)
+    for c in (
+        LifecycleError,
+        VersionError,
+        UnknownTensorError,
+        ManifestMismatch,
+        TransferError,
+        EngineStateError,
+    )
 }
 # vLLM's own lifecycle-order errors (vllm/v1/worker/gpu_worker.py), which carry no harness class name
 _VLLM_LIFECYCLE_MESSAGES = (
@@ -77,7 +85,7 @@ _VLLM_LIFECYCLE_MESSAGES = (
     "start_weight_update called while a weight update is already active",
     "Weight transfer not configured",
 )
-_ERROR_RE = re.compile(r"\b(" + "|".join(_ERRORS) + r"): (.*)", re.S)
+_ERROR_RE = re.compile(r"\b(" + "|".join(_ERRORS) + r"): (.*)", re.DOTALL)
 
 
 def harness_error(message: str, context: str) -> WeightSyncError:
@@ -102,7 +110,9 @@ def parse_version(raw: str) -> int:
     try:
         return int(raw)
     except (TypeError, ValueError):
-        raise EngineStateError(f"vLLM reports weight version {raw!r}, which the harness did not set") from None
+        raise EngineStateError(
+            f"vLLM reports weight version {raw!r}, which the harness did not set"
+        ) from None
 
 
 class VllmEngine(Engine, abc.ABC):
@@ -112,6 +122,7 @@ class VllmEngine(Engine, abc.ABC):
     Errors from vLLM come back as harness errors (UnknownTensorError, ManifestMismatch, ...)."""
 
     form: str = "?"
+    owns_workdir = False  # remove the workdir at shutdown (engines made by make_engine)
 
     def __init__(self, model_dir: str | os.PathLike, workdir: str | os.PathLike):
         self.model_dir = Path(model_dir)
@@ -157,7 +168,9 @@ class VllmEngine(Engine, abc.ABC):
         """Checkpoint (HF) names, as the worker's transport checks them."""
         if self._spec is None:
             raw = self._worker_spec()
-            self._spec = {n: TensorSpec(tuple(s["shape"]), dtype_from_name(s["dtype"])) for n, s in raw["spec"].items()}
+            self._spec = {
+                n: TensorSpec(tuple(s["shape"]), dtype_from_name(s["dtype"])) for n, s in raw["spec"].items()
+            }
             self._layout = FusedLayout(raw["packed"], self._spec)
         return dict(self._spec)
 
@@ -268,7 +281,9 @@ class VllmReceiver(Receiver):
     def update_weights(self, update_info: JSON) -> None:
         with self._mutex:
             if self._state not in (UPDATING, FAILED):
-                raise LifecycleError(f"update_weights outside an update (state {self._state!r}); call start_weight_update")
+                raise LifecycleError(
+                    f"update_weights outside an update (state {self._state!r}); call start_weight_update"
+                )
             try:
                 if self._failure:
                     raise LifecycleError(f"this update already failed: {self._failure}")
@@ -277,8 +292,12 @@ class VllmReceiver(Receiver):
                 if self._version is not None and manifest.version != self._version:
                     raise VersionError(f"update mixes versions {self._version} and {manifest.version}")
                 if "path" not in update_info:
-                    raise ManifestMismatch(f"version {manifest.version}: update_info has no checkpoint 'path'")
-                self.engine.update_weights({"path": str(update_info["path"]), "manifest": update_info["manifest"]})
+                    raise ManifestMismatch(
+                        f"version {manifest.version}: update_info has no checkpoint 'path'"
+                    )
+                self.engine.update_weights(
+                    {"path": str(update_info["path"]), "manifest": update_info["manifest"]}
+                )
             except WeightSyncError as exc:
                 self._state, self._failure = FAILED, str(exc)
                 raise
@@ -289,13 +308,19 @@ class VllmReceiver(Receiver):
             if self._state == FAILED:
                 failure = self._failure
                 self._close_open_update()
-                raise LifecycleError(f"finish_weight_update({version}) after a failed update_weights: {failure}")
+                raise LifecycleError(
+                    f"finish_weight_update({version}) after a failed update_weights: {failure}"
+                )
             if self._state != UPDATING:
                 raise LifecycleError(f"finish_weight_update outside an update (state {self._state!r})")
             if self._version is None:
-                raise LifecycleError(f"finish_weight_update({version}) with nothing received; call update_weights")
+                raise LifecycleError(
+                    f"finish_weight_update({version}) with nothing received; call update_weights"
+                )
             if version != self._version:
-                raise VersionError(f"finish_weight_update({version}) but the staged tensors are version {self._version}")
+                raise VersionError(
+                    f"finish_weight_update({version}) but the staged tensors are version {self._version}"
+                )
             try:
                 self.engine.finish_weight_update(str(version))
             finally:
@@ -352,7 +377,11 @@ class InProcessVllm(VllmEngine):
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        self._SamplingParams, self._TokensPrompt, self._delta = SamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        self._SamplingParams, self._TokensPrompt, self._delta = (
+            SamplingParams,
+            TokensPrompt,
+            RequestOutputKind.DELTA,
+        )
         self.llm = LLM(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
@@ -376,6 +405,7 @@ class InProcessVllm(VllmEngine):
         self._paused = False
         self._draining = False
         self._stopped = False
+        self._failure: BaseException | None = None  # what broke the step loop, if anything
         self._version = parse_version(self._llm_engine.get_weight_version())
         self._thread = threading.Thread(target=self._loop, name="vllm-inprocess", daemon=True)
         self._thread.start()
@@ -393,7 +423,10 @@ class InProcessVllm(VllmEngine):
                 raise harness_error(f"{type(exc).__name__}: {exc}", f"{self.form} vLLM {what}") from exc
 
     def init_weight_transfer_engine(self, init_info: JSON) -> None:
-        self._guarded("init_weight_transfer_engine", lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}))
+        self._guarded(
+            "init_weight_transfer_engine",
+            lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}),
+        )
 
     def start_weight_update(self) -> None:
         self._guarded("start_weight_update", self.llm.start_weight_update)
@@ -418,8 +451,12 @@ class InProcessVllm(VllmEngine):
     def reset_prefix_cache(self, reset_running_requests: bool = True) -> None:
         """Drop every cached KV block; with reset_running_requests, running requests' blocks too
         (vLLM preempts them and they recompute), so no block computed with old weights survives."""
-        if not self._guarded("reset_prefix_cache", lambda: self._llm_engine.reset_prefix_cache(reset_running_requests)):
-            raise EngineStateError(f"{self.form} vLLM refused to reset its prefix cache (blocks still in use)")
+        if not self._guarded(
+            "reset_prefix_cache", lambda: self._llm_engine.reset_prefix_cache(reset_running_requests)
+        ):
+            raise EngineStateError(
+                f"{self.form} vLLM refused to reset its prefix cache (blocks still in use)"
+            )
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: GenerationRequest) -> RequestStream:
@@ -427,13 +464,15 @@ class InProcessVllm(VllmEngine):
             raise ValueError(f"request {request.request_id!r}: empty prompt")
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside vocab {self.vocab_size}")
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:5]} outside vocab {self.vocab_size}"
+            )
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
         stream = RequestStream(request)
         with self._cond:
             if self._stopped:
-                raise EngineStateError("engine is shut down")
+                raise EngineStateError(f"engine is shut down (step failure: {self._failure!r})")
             if request.request_id in self._streams or request.request_id in self._held_streams:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
             if self._draining:
@@ -459,12 +498,14 @@ class InProcessVllm(VllmEngine):
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or (bool(self._streams) and (not self._paused or self._draining)))
+                self._cond.wait_for(
+                    lambda: self._stopped or (bool(self._streams) and (not self._paused or self._draining))
+                )
                 if self._stopped:
                     return
                 try:
                     outputs = self._llm_engine.step()
-                except Exception as exc:  # the engine is broken: end every request rather than hang
+                except Exception as exc:  # noqa: BLE001 - the engine is broken: end every request, don't hang
                     self._end_all("abort")
                     self._stopped = True
                     self._failure = exc
@@ -486,7 +527,9 @@ class InProcessVllm(VllmEngine):
             finish = "abort"
         for i, tok in enumerate(tokens):
             last = i == len(tokens) - 1
-            stream.push(TokenEvent(out.request_id, produced + i, tok, self._version, finish if last else None))
+            stream.push(
+                TokenEvent(out.request_id, produced + i, tok, self._version, finish if last else None)
+            )
         entry[1] = produced + len(tokens)
         if finish is not None:
             if not tokens:
@@ -554,6 +597,8 @@ class InProcessVllm(VllmEngine):
             self._cond.notify_all()
         self._thread.join(timeout=30)
         self._llm_engine.engine_core.shutdown()
+        if self.owns_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------- backend
@@ -584,6 +629,30 @@ class VllmDeployment(Deployment):
             h.receiver.shutdown()
             h.engine.shutdown()
         self.sender.shutdown()
+
+
+def make_engine(spec: WeightSpec | None = None) -> InProcessVllm:
+    """Engine factory for `--weightsync-engine=harness.engines.vllm:make_engine`: real vLLM, in
+    process, serving the tiny Llama of fixtures.hf_models (built once under WEIGHTSYNC_MODEL_CACHE,
+    default a folder in the temp dir). Any path delivers into it through `commit_weights`, i.e.
+    through vLLM's own lifecycle. vLLM serves a fixed model: a spec must be a subset of its own."""
+    from fixtures.hf_models import TINY_LLAMA, build
+
+    cache = os.environ.get("WEIGHTSYNC_MODEL_CACHE") or os.path.join(
+        tempfile.gettempdir(), "weightsync-models"
+    )
+    engine = InProcessVllm(build(TINY_LLAMA, cache), tempfile.mkdtemp(prefix="weightsync-vllm-engine-"))
+    engine.owns_workdir = True
+    if spec is not None:
+        own = engine.weight_spec()
+        foreign = sorted(n for n, s in spec.items() if own.get(n) != s)
+        if foreign:
+            engine.shutdown()
+            raise BackendError(
+                f"vLLM serves a fixed model; it cannot hold {foreign[:5]} "
+                f"({len(foreign)} tensor(s) not in its checkpoint spec with that shape and dtype)"
+            )
+    return engine
 
 
 VLLM_CAPABILITIES = Capabilities(

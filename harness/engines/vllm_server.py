@@ -139,7 +139,9 @@ class VllmServerProcess:
                 f"vLLM server (pid {self.proc.pid}) exited with {rc} before it was healthy; "
                 f"log {self.log_path}:\n{self.log_tail()}"
             )
-        raise EngineStateError(f"vLLM server (pid {self.proc.pid}) not healthy after {timeout}s; log:\n{self.log_tail()}")
+        raise EngineStateError(
+            f"vLLM server (pid {self.proc.pid}) not healthy after {timeout}s; log:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -182,7 +184,9 @@ class ServerVllm(VllmEngine):
         self.server.start()
         # A route that raises makes uvicorn drop the connection after its 500: no keep-alive reuse.
         self.http = httpx.Client(
-            base_url=self.server.url, timeout=httpx.Timeout(300.0, connect=10.0), headers={"Connection": "close"}
+            base_url=self.server.url,
+            timeout=httpx.Timeout(300.0, connect=10.0),
+            headers={"Connection": "close"},
         )
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
@@ -197,7 +201,9 @@ class ServerVllm(VllmEngine):
         try:
             resp = self.http.request(method, route, **kwargs)
         except httpx.HTTPError as exc:
-            raise EngineStateError(f"vLLM server {route}: {type(exc).__name__}: {exc}; alive={self.server.alive}") from exc
+            raise EngineStateError(
+                f"vLLM server {route}: {type(exc).__name__}: {exc}; alive={self.server.alive}"
+            ) from exc
         if resp.status_code >= 400:
             raise harness_error(resp.text, f"vLLM server {what or route} (HTTP {resp.status_code})")
         return resp
@@ -218,7 +224,9 @@ class ServerVllm(VllmEngine):
         self._version = parse_version(self.vllm_weight_version())
 
     def collective_rpc(self, method: str, kwargs: JSON | None = None) -> list[Any]:
-        resp = self.call("POST", "/collective_rpc", what=method, json={"method": method, "kwargs": kwargs or {}})
+        resp = self.call(
+            "POST", "/collective_rpc", what=method, json={"method": method, "kwargs": kwargs or {}}
+        )
         return resp.json()["results"]
 
     def vllm_weight_version(self) -> str:
@@ -250,11 +258,15 @@ class ServerVllm(VllmEngine):
             raise ValueError(f"request {request.request_id!r}: empty prompt")
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside vocab {self.vocab_size}")
+            raise ValueError(
+                f"request {request.request_id!r}: token ids {bad[:5]} outside vocab {self.vocab_size}"
+            )
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
         stream = RequestStream(request)
-        th = threading.Thread(target=self._pump, args=(stream,), name=f"vllm-stream-{request.request_id}", daemon=True)
+        th = threading.Thread(
+            target=self._pump, args=(stream,), name=f"vllm-stream-{request.request_id}", daemon=True
+        )
         with self._lock:
             self._threads.add(th)
         th.start()
@@ -279,7 +291,9 @@ class ServerVllm(VllmEngine):
         try:
             with self.http.stream("POST", "/v1/completions", json=self.completion_body(req, True)) as resp:
                 if resp.status_code >= 400:
-                    self.request_errors[req.request_id] = f"HTTP {resp.status_code}: {resp.read().decode(errors='replace')}"
+                    self.request_errors[req.request_id] = (
+                        f"HTTP {resp.status_code}: {resp.read().decode(errors='replace')}"
+                    )
                     return
                 for line in resp.iter_lines():
                     if not line.startswith("data: "):
@@ -298,7 +312,9 @@ class ServerVllm(VllmEngine):
                         finish = reason if reason in ("length", "stop", "abort") else "abort"
                     for i, tok in enumerate(tokens):
                         last = i == len(tokens) - 1
-                        stream.push(TokenEvent(req.request_id, produced, tok, self._version, finish if last else None))
+                        stream.push(
+                            TokenEvent(req.request_id, produced, tok, self._version, finish if last else None)
+                        )
                         produced += 1
                     if finish is not None and not tokens:
                         stream.push(TokenEvent(req.request_id, produced, None, self._version, finish))

@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from harness.api import ManifestMismatch, WeightSyncError
 from harness.engines.vllm_layout import FusedLayout, checkpoint_spec
 from harness.manifest import Manifest, dtype_name
 from harness.paths.disk import MANIFEST_FILE, read_checkpoint
@@ -108,7 +109,9 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
     def init_transfer_engine(self, init_info: FilesInitInfo) -> None:
         root = Path(init_info.root or "")
         if not init_info.root or not root.is_absolute():
-            raise RefusedUpdate("LifecycleError", f"init_info 'root' must be an absolute directory, got {init_info.root!r}")
+            raise RefusedUpdate(
+                "LifecycleError", f"init_info 'root' must be an absolute directory, got {init_info.root!r}"
+            )
         self._roots.add(root.resolve())
 
     def start_weight_update(self) -> None:
@@ -154,24 +157,32 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
     def _read_verified(self, info: FilesUpdateInfo) -> dict[str, torch.Tensor]:
         try:
             manifest = Manifest.from_json(info.manifest)
-        except Exception as exc:  # ManifestMismatch, or anything a malformed dict raises
+        except ManifestMismatch as exc:
             raise RefusedUpdate("ManifestMismatch", str(exc)) from None
         v = manifest.version
         directory = Path(info.path).resolve()
         if not any(directory.is_relative_to(r) for r in self._roots):
             raise RefusedUpdate(
-                "ManifestMismatch", f"version {v}: checkpoint {directory} is outside the roots {sorted(map(str, self._roots))}"
+                "ManifestMismatch",
+                f"version {v}: checkpoint {directory} is outside the roots {sorted(map(str, self._roots))}",
             )
         try:
             on_disk = Manifest.loads((directory / MANIFEST_FILE).read_bytes())
         except FileNotFoundError:
-            raise RefusedUpdate("ManifestMismatch", f"version {v}: {directory / MANIFEST_FILE} missing") from None
+            raise RefusedUpdate(
+                "ManifestMismatch", f"version {v}: {directory / MANIFEST_FILE} missing"
+            ) from None
         if on_disk != manifest:
-            raise RefusedUpdate("ManifestMismatch", f"version {v}: the checkpoint at {directory} is not the one announced")
+            raise RefusedUpdate(
+                "ManifestMismatch", f"version {v}: the checkpoint at {directory} is not the one announced"
+            )
         spec = self.layout.spec
         for e in manifest.entries:
             if e.name not in spec:
-                raise RefusedUpdate("UnknownTensorError", f"version {v}: unknown tensor {e.name!r} (the model has {len(spec)})")
+                raise RefusedUpdate(
+                    "UnknownTensorError",
+                    f"version {v}: unknown tensor {e.name!r} (the model has {len(spec)})",
+                )
             s = spec[e.name]
             if e.shape != s.shape or e.dtype != dtype_name(s.dtype):
                 raise RefusedUpdate(
@@ -190,16 +201,20 @@ class FilesWeightTransferEngine(WeightTransferEngine[FilesInitInfo, FilesUpdateI
             )
         twice = sorted(set(manifest.names) & set(self._staged))
         if twice:
-            raise RefusedUpdate("ManifestMismatch", f"version {v}: tensor(s) {twice[:5]} sent twice in one update")
+            raise RefusedUpdate(
+                "ManifestMismatch", f"version {v}: tensor(s) {twice[:5]} sent twice in one update"
+            )
         try:
             tensors = read_checkpoint(directory, manifest)
             for name in manifest.names:
                 if name not in tensors:
-                    raise RefusedUpdate("ManifestMismatch", f"version {v}: tensor {name!r} is missing from the shards")
+                    raise RefusedUpdate(
+                        "ManifestMismatch", f"version {v}: tensor {name!r} is missing from the shards"
+                    )
                 manifest.verify(name, tensors[name])
         except RefusedUpdate:
             raise
-        except Exception as exc:  # ManifestMismatch from digests or unreadable shards
+        except WeightSyncError as exc:  # digests that do not match, unreadable shards
             raise RefusedUpdate(type(exc).__name__, str(exc)) from None
         # Detach from the files: the sender may delete old checkpoints before finish applies these.
         return {n: t.clone() for n, t in tensors.items()}
@@ -279,7 +294,9 @@ class WeightSyncWorkerExtension:
         """The checkpoint spec updates are checked against, and the fusion rules."""
         layout = self._weightsync_layout()
         return {
-            "spec": {n: {"shape": list(s.shape), "dtype": dtype_name(s.dtype)} for n, s in layout.spec.items()},
+            "spec": {
+                n: {"shape": list(s.shape), "dtype": dtype_name(s.dtype)} for n, s in layout.spec.items()
+            },
             "packed": {k: list(v) for k, v in layout.packed.items()},
             "dtype": dtype_name(self.model_config.dtype),
             "pid": os.getpid(),

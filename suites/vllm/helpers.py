@@ -37,7 +37,9 @@ def fresh_weights(deployment: Deployment, names=None) -> dict[str, torch.Tensor]
     """New seeded values for every checkpoint tensor of the served model (or those in `names`)."""
     engine = engine_of(deployment)
     spec = engine.weight_spec()
-    template = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in spec.items() if names is None or n in names}
+    template = {
+        n: torch.empty(s.shape, dtype=s.dtype) for n, s in spec.items() if names is None or n in names
+    }
     return random_checkpoint(template, seed=next(_seeds))
 
 
@@ -55,12 +57,18 @@ def snapshot(deployment: Deployment) -> tuple[int, dict[str, torch.Tensor]]:
     return engine.weight_version, engine.read_weights()
 
 
-def assert_serves(deployment: Deployment, version: int, expected: dict[str, torch.Tensor], context: str, hint: str):
+def assert_serves(
+    deployment: Deployment, version: int, expected: dict[str, torch.Tensor], context: str, hint: str
+):
     """The engine reports `version` and computes with `expected`, bit for bit (read via the kernels)."""
     engine = engine_of(deployment)
     got = engine.weight_version
-    assert got == version, f"{context}: {engine.describe()} serves version {got}, expected {version}\nrerun: {hint}"
-    assert_bitwise_equal(expected, engine.read_weights(), f"{context}: {engine.describe()} at version {version}", hint)
+    assert got == version, (
+        f"{context}: {engine.describe()} serves version {got}, expected {version}\nrerun: {hint}"
+    )
+    assert_bitwise_equal(
+        expected, engine.read_weights(), f"{context}: {engine.describe()} at version {version}", hint
+    )
 
 
 def assert_unchanged(deployment: Deployment, before, context: str, hint: str) -> None:

@@ -1,9 +1,9 @@
 """Where vLLM 0.32 on CPU breaks an invariant the harness checks: one minimal reproduction each.
 
-Each test asserts the invariant and is marked xfail(strict=True) with the behaviour in its reason, so
-the report lists it as a known vLLM defect (never hidden, never skipped) and a vLLM release that fixes
-it turns the test into an XPASS, which strict mode fails: then drop the mark, and the harness's
-workaround where it has one.
+Each test asserts the invariant and is marked xfail(strict=True, raises=AssertionError) with the
+behaviour in its reason (any other error is a real failure), so the report lists it as a known vLLM
+defect (never hidden, never skipped) and a vLLM release that fixes it turns the test into an XPASS,
+which strict mode fails: then drop the mark, and the harness's workaround where it has one.
 
 These go straight to vLLM's lifecycle (engine.start/update/finish_weight_update), not through the
 harness's VllmReceiver, because the receiver works around two of them (it resets the prefix cache
@@ -19,9 +19,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.paths.disk import DiskSender  # noqa: E402
+from harness.paths.disk import DiskSender
 
-from .helpers import (  # noqa: E402
+from .helpers import (
     engine_of,
     fresh_weights,
     greedy,
@@ -64,7 +64,7 @@ def _vllm_update(engine, tmp_path, version, weights, raw=False):
     engine.finish_weight_update(str(version))
 
 
-@pytest.mark.xfail(strict=True, reason=PREFIX_CACHE)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PREFIX_CACHE)
 def test_update_invalidates_the_prefix_cache(llama_deployment, tmp_path, request):
     engine = engine_of(llama_deployment)
     prompt = [1] + [(7 * i) % 500 + 3 for i in range(299)]  # 300 tokens: two full 128-token KV blocks
@@ -85,7 +85,7 @@ def test_update_invalidates_the_prefix_cache(llama_deployment, tmp_path, request
     )
 
 
-@pytest.mark.xfail(strict=True, reason=WEIGHT_CHECKER)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=WEIGHT_CHECKER)
 def test_weight_checker_sees_every_updated_tensor(server_llama, request):
     engine = engine_of(server_llama)
 
@@ -103,7 +103,7 @@ def test_weight_checker_sees_every_updated_tensor(server_llama, request):
     )
 
 
-@pytest.mark.xfail(strict=True, reason=PARTIAL_GROUP)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PARTIAL_GROUP)
 def test_partial_fused_group_keeps_the_other_rows(inproc_llama, tmp_path, request):
     engine = engine_of(inproc_llama)
     _, base = push_new_version(inproc_llama)
@@ -125,7 +125,7 @@ def test_partial_fused_group_keeps_the_other_rows(inproc_llama, tmp_path, reques
     )
 
 
-@pytest.mark.xfail(strict=True, reason=TIED_HEAD)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TIED_HEAD)
 def test_tied_lm_head_follows_the_embedding_through_vllms_reload(inproc_tied, tmp_path, request):
     engine = engine_of(inproc_tied)
     embed = "model.embed_tokens.weight"
@@ -135,7 +135,8 @@ def test_tied_lm_head_follows_the_embedding_through_vllms_reload(inproc_tied, tm
         head = engine.read_live()["lm_head.weight"]
     finally:
         push_new_version(inproc_tied)  # the transport's repack heals the head
-    assert head.equal(part[embed]), (
+    follows = head.equal(part[embed])
+    assert follows, (
         f"{engine.describe()}: lm_head computes with a matrix {(head - part[embed]).abs().max().item():.3g} away "
         f"from the new tied embedding\nrerun: {rerun(request)}"
     )

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from fixtures.hf_models import hf_greedy  # noqa: E402
+from fixtures.hf_models import hf_greedy
 
-from .helpers import (  # noqa: E402
+from .helpers import (
     LONG_TOKENS,
     engine_of,
     first_divergence,
@@ -34,7 +34,9 @@ ATTEMPTS = 3
 def _in_flight(deployment, tokens: int, max_tokens: int = LONG_TOKENS):
     """A long streaming request that has produced at least `tokens` tokens."""
     stream = engine_of(deployment).submit(token_request(PROMPT, max_tokens, "long"))
-    assert stream.wait_for_tokens(tokens, timeout=120), f"{stream.request.request_id} produced < {tokens} tokens in 120s"
+    assert stream.wait_for_tokens(tokens, timeout=120), (
+        f"{stream.request.request_id} produced < {tokens} tokens in 120s"
+    )
     return stream
 
 
@@ -53,19 +55,25 @@ def test_pause_abort_ends_in_flight_and_queues_new_requests(llama_deployment, re
             break
         engine.resume()  # the request ended before the pause landed: nothing was in flight to abort
     else:
-        pytest.fail(f"pause(abort) landed after the request ended in all {ATTEMPTS} attempts\nrerun: {rerun(request)}")
+        pytest.fail(
+            f"pause(abort) landed after the request ended in all {ATTEMPTS} attempts\nrerun: {rerun(request)}"
+        )
     try:
         assert engine.is_paused, "engine does not report paused after pause('abort')"
         queued = engine.submit(token_request((1, 5, 6), CHECK, "queued"))
         v1, w1 = push_new_version(llama_deployment)
-        assert not queued.events_after(0, timeout=0), "a request sent while paused produced output before resume"
+        assert not queued.events_after(0, timeout=0), (
+            "a request sent while paused produced output before resume"
+        )
     finally:
         engine.resume()
     assert aborted.finish_reason == "abort" and 1 <= len(aborted.token_ids) < LONG_TOKENS, (
         f"in-flight request under pause(abort), attempt {attempt}/{ATTEMPTS}: finish {aborted.finish_reason!r} after "
         f"{len(aborted.token_ids)} tokens; expected 'abort' with partial output\nrerun: {rerun(request)}"
     )
-    assert aborted.versions_seen == {v0}, f"aborted request saw versions {sorted(aborted.versions_seen)}, expected [{v0}]"
+    assert aborted.versions_seen == {v0}, (
+        f"aborted request saw versions {sorted(aborted.versions_seen)}, expected [{v0}]"
+    )
     after = queued.result(timeout=120)
     expected = hf_greedy(engine.model_dir, w1, [(1, 5, 6)], CHECK)[0]
     assert (after.finish_reason, after.versions_seen, after.token_ids) == ("length", {v1}, expected), (
@@ -101,7 +109,9 @@ def test_pause_keep_freezes_then_continues_on_the_new_weights(llama_deployment, 
     engine = engine_of(llama_deployment)
     for attempt in range(1, ATTEMPTS + 1):
         v0, old = snapshot(llama_deployment)
-        reference = engine.generate([token_request(PROMPT, LONG_TOKENS, "reference")], timeout=120)[0].token_ids
+        reference = engine.generate([token_request(PROMPT, LONG_TOKENS, "reference")], timeout=120)[
+            0
+        ].token_ids
         stream = _in_flight(llama_deployment, CHECK)
         engine.pause("keep")
         try:
@@ -113,7 +123,9 @@ def test_pause_keep_freezes_then_continues_on_the_new_weights(llama_deployment, 
         c = stream.result(timeout=120)
         if frozen:
             break
-    assert frozen, f"pause(keep) landed after the request ended in all {ATTEMPTS} attempts\nrerun: {rerun(request)}"
+    assert frozen, (
+        f"pause(keep) landed after the request ended in all {ATTEMPTS} attempts\nrerun: {rerun(request)}"
+    )
     assert c.finish_reason == "length" and len(c.token_ids) == LONG_TOKENS, (
         f"pause(keep): request ended {c.finish_reason!r} after {len(c.token_ids)}/{LONG_TOKENS} tokens"
     )
@@ -127,7 +139,9 @@ def test_pause_keep_freezes_then_continues_on_the_new_weights(llama_deployment, 
         f"pause(keep): {stamped_old} tokens stamped v{v0}, then {sorted(set(c.token_versions[stamped_old:]))}; "
         f"the new weights start at token {k}: a token was stamped with a version that had not made it"
     )
-    assert c.token_ids[:CHECK] == _continuation(llama_deployment, old, []), "pause(keep): the first tokens are not v0's"
+    assert c.token_ids[:CHECK] == _continuation(llama_deployment, old, []), (
+        "pause(keep): the first tokens are not v0's"
+    )
     after, expected = c.token_ids[k : k + CHECK], _continuation(llama_deployment, new, c.token_ids[:k])
     assert after == expected, (
         f"pause(keep): after resume at token {k}, vLLM continued {after}; transformers with v{v1} on the same "

@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.api import ManifestMismatch  # noqa: E402
-from harness.deployment import push  # noqa: E402
+from harness.api import ManifestMismatch
+from harness.deployment import push
 
-from .helpers import engine_of, fresh_weights, next_version, rerun  # noqa: E402
+from .helpers import engine_of, fresh_weights, next_version, rerun
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +42,9 @@ def test_weight_info_stays_after_a_refused_update(server_llama, request):
     bad["model.norm.weight"] = bad["model.norm.weight"][:7].clone()
     with pytest.raises(ManifestMismatch):
         push(server_llama, next_version(server_llama), bad)
-    assert _weight_info(engine) == before, f"/weight_info moved to {_weight_info(engine)!r} after a refused update"
+    assert _weight_info(engine) == before, (
+        f"/weight_info moved to {_weight_info(engine)!r} after a refused update"
+    )
 
 
 def test_vllm_builds_the_harness_transport_through_its_factory(server_llama):

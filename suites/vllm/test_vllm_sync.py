@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from harness.api import LifecycleError, ManifestMismatch, UnknownTensorError, VersionError  # noqa: E402
-from harness.deployment import push  # noqa: E402
-from harness.paths.disk import DiskSender  # noqa: E402
+from harness.api import LifecycleError, ManifestMismatch, UnknownTensorError, VersionError
+from harness.deployment import push
+from harness.paths.disk import DiskSender
 
-from .helpers import (  # noqa: E402
+from .helpers import (
     assert_serves,
     assert_unchanged,
     engine_of,
@@ -69,7 +69,9 @@ def test_fused_groups_arrive_whole(vllm_deployment, request):
         f"expected q/k/v and gate/up of {prefix} to fuse, layout says {sorted(fused)}"
     )
     version, part = push_new_version(vllm_deployment, names)
-    assert_serves(vllm_deployment, version, {**before, **part}, f"after pushing only {sorted(part)}", rerun(request))
+    assert_serves(
+        vllm_deployment, version, {**before, **part}, f"after pushing only {sorted(part)}", rerun(request)
+    )
     live = engine.read_live()
     for live_name, expected in engine.layout.to_live(part).items():
         assert live[live_name].equal(expected), (
@@ -82,10 +84,14 @@ def test_tied_embedding_moves_the_lm_head(tied_deployment, request):
     """The checkpoint has no lm_head: pushing the embedding must move the output layer with it."""
     vllm_deployment = tied_deployment
     engine = engine_of(vllm_deployment)
-    assert "lm_head.weight" not in engine.weight_spec(), f"{engine.describe()}: a tied model lists lm_head.weight"
+    assert "lm_head.weight" not in engine.weight_spec(), (
+        f"{engine.describe()}: a tied model lists lm_head.weight"
+    )
     _, before = snapshot(vllm_deployment)
     version, part = push_new_version(vllm_deployment, ["model.embed_tokens.weight"])
-    assert_serves(vllm_deployment, version, {**before, **part}, "after pushing the embedding only", rerun(request))
+    assert_serves(
+        vllm_deployment, version, {**before, **part}, "after pushing the embedding only", rerun(request)
+    )
     head = engine.read_live()["lm_head.weight"]
     assert head.equal(part["model.embed_tokens.weight"]), (
         f"{engine.describe()}: the tied LM head does not compute with the new embedding (max |diff| "
@@ -93,7 +99,9 @@ def test_tied_embedding_moves_the_lm_head(tied_deployment, request):
     )
     got = [c.token_ids for c in greedy(vllm_deployment)]
     expected = transformers_greedy(vllm_deployment, {**before, **part})
-    assert got == expected, f"tied model after an embedding update:\n  vLLM: {got}\n  HF:   {expected}\nrerun: {rerun(request)}"
+    assert got == expected, (
+        f"tied model after an embedding update:\n  vLLM: {got}\n  HF:   {expected}\nrerun: {rerun(request)}"
+    )
 
 
 # --------------------------------------------------------------------------------------------- refusals
@@ -110,7 +118,14 @@ def _refused(deployment, tensors, version, error, must_name, hint):
 def test_unknown_tensor_is_refused_and_weights_kept(vllm_deployment, request):
     weights = fresh_weights(vllm_deployment)
     weights["model.layers.0.mlp.not_a_proj.weight"] = weights["model.norm.weight"].clone()
-    _refused(vllm_deployment, weights, next_version(vllm_deployment), UnknownTensorError, "not_a_proj", rerun(request))
+    _refused(
+        vllm_deployment,
+        weights,
+        next_version(vllm_deployment),
+        UnknownTensorError,
+        "not_a_proj",
+        rerun(request),
+    )
     version, good = push_new_version(vllm_deployment)  # and the next sync succeeds
     assert_serves(vllm_deployment, version, good, "the update after a refused one", rerun(request))
 
@@ -124,7 +139,9 @@ def test_wrong_shape_is_refused_and_weights_kept(vllm_deployment, request):
 
 def test_stale_version_is_refused_and_weights_kept(vllm_deployment, request):
     current = engine_of(vllm_deployment).weight_version
-    _refused(vllm_deployment, fresh_weights(vllm_deployment), current, VersionError, str(current), rerun(request))
+    _refused(
+        vllm_deployment, fresh_weights(vllm_deployment), current, VersionError, str(current), rerun(request)
+    )
 
 
 def test_partial_fused_group_is_refused_and_weights_kept(vllm_deployment, request):
@@ -162,17 +179,23 @@ def test_vllm_transport_refuses_bad_input_itself(vllm_deployment, bad, tmp_path,
     version = next_version(vllm_deployment)
     info = sender.prepare(version, weights)
     if bad == "corrupted shard":
-        shard = sorted(p for p in (tmp_path / "raw").rglob("*.safetensors"))[0]
+        shard = min(p for p in (tmp_path / "raw").rglob("*.safetensors"))
         raw = bytearray(shard.read_bytes())
         raw[-5] ^= 0xFF  # a flipped bit in the last tensor's payload: only the digest can tell
         shard.write_bytes(bytes(raw))
     engine.start_weight_update()
     with pytest.raises(expected) as err:
         engine.update_weights(info)
-    assert named in str(err.value), f"vLLM's error does not name {named!r}: {err.value}\nrerun: {rerun(request)}"
+    assert named in str(err.value), (
+        f"vLLM's error does not name {named!r}: {err.value}\nrerun: {rerun(request)}"
+    )
     assert_unchanged(vllm_deployment, before, f"after vLLM refused an update ({bad})", rerun(request))
     with pytest.raises(LifecycleError):  # vLLM closed the refused update: nothing left to finish
         engine.finish_weight_update(str(version))
-    assert engine.weight_version == before[0], f"a refused update moved the version to {engine.weight_version}"
+    assert engine.weight_version == before[0], (
+        f"a refused update moved the version to {engine.weight_version}"
+    )
     version, good = push_new_version(vllm_deployment)
-    assert_serves(vllm_deployment, version, good, f"the update after vLLM refused one ({bad})", rerun(request))
+    assert_serves(
+        vllm_deployment, version, good, f"the update after vLLM refused one ({bad})", rerun(request)
+    )
