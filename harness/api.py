@@ -60,6 +60,10 @@ class ManifestMismatch(WeightSyncError):
     """What arrived does not match the manifest or the engine: dtype, shape, size or digest."""
 
 
+class BaseMismatch(ManifestMismatch):
+    """A patch made against another version than the one the engine holds."""
+
+
 class TransferError(WeightSyncError):
     """The data plane failed: a peer died, timed out, or delivered a short payload."""
 
@@ -293,6 +297,10 @@ class Sender(abc.ABC):
     @abc.abstractmethod
     def transmit(self) -> None:
         """Move the prepared bytes on the data plane (runs concurrently with update_weights)."""
+
+    def complete(self, committed: bool) -> None:  # noqa: B027 - optional hook
+        """The sync of the prepared version is over: every engine committed it (True) or it was
+        abandoned (False). Paths release what prepare() staged; delta advances its base only on True."""
 
     def reset(self) -> None:  # noqa: B027 - optional hook
         """The engines were replaced by fresh ones: forget the versions sent so far."""

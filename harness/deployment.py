@@ -82,13 +82,17 @@ def push(
     except BaseException:
         # No engine may commit a version another engine refused: discard everywhere.
         _abort_all(started)
+        deployment.sender.complete(False)
         raise
     for i, h in enumerate(deployment.handles):
         try:
             h.receiver.finish_weight_update(version)
         except BaseException:
             _abort_all(deployment.handles[i + 1 :])
+            # engines before i committed, i and after did not: the sender may not assume either
+            deployment.sender.complete(False)
             raise
+    deployment.sender.complete(True)
 
 
 def _abort_all(handles) -> None:

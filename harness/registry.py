@@ -11,6 +11,9 @@ from harness.api import DEFAULT_ENGINE, Backend, BackendError, Engine, WeightSpe
 BUILTIN_BACKENDS: dict[str, str] = {
     "disk": "harness.paths.disk:make_backend",
     "broadcast": "harness.paths.broadcast:make_backend",
+    "ipc": "harness.paths.ipc:make_backend",
+    "delta": "harness.paths.delta:make_backend",
+    "delta-ipc": "harness.paths.delta:make_ipc_backend",
 }
 
 BUILTIN_ENGINES: dict[str, str] = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 import time
 import uuid
@@ -71,6 +72,9 @@ def error_from_response(resp: httpx.Response) -> WeightSyncError:
     else:
         message = str(body)
     where = f"[HTTP {resp.status_code} from {resp.request.method} {resp.request.url.path}]"
+    named = re.match(r"^\W*([A-Z][A-Za-z]+Error): ", message)  # vLLM relays a worker's "VersionError: ..." as text
+    if named and not isinstance(getattr(api, type_, None), type):
+        type_ = named.group(1)
     cls = getattr(api, type_, None)
     if isinstance(cls, type) and issubclass(cls, WeightSyncError):
         exc: WeightSyncError = cls(f"{message} {where}")
@@ -117,6 +121,7 @@ class ControlClient:
         self.backoff_s = backoff_s
         self.model = model
         self._keys = idempotency_keys
+        self._kind: str | None = None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(
             base_url=self.base_url,
@@ -142,11 +147,22 @@ class ControlClient:
         t = self.timeouts
         return httpx.Timeout(read, connect=t.connect, write=t.write, pool=t.connect)
 
+    def _probe(self) -> None:
+        info = self.weight_info()
+        self._kind = "weightsync" if info.get("server") == "weightsync" else "vllm"
+        if self._keys is None:
+            self._keys = info.get("idempotency_keys") is True
+
+    def server_kind(self) -> str:
+        """'weightsync' (this harness's server) or 'vllm' (anything that does not say it is ours)."""
+        if self._kind is None:
+            self._probe()
+        return self._kind  # type: ignore[return-value]
+
     def uses_idempotency_keys(self) -> bool:
         if self._keys is None:
-            info = self.weight_info()
-            self._keys = info.get("idempotency_keys") is True
-        return self._keys
+            self._probe()
+        return bool(self._keys)
 
     def _call(
         self,
@@ -295,8 +311,9 @@ class ControlClient:
             self._call("POST", "/update_weight_version", json_body={"new_version": new_version}, repeatable=True, keyed=True)
         )
 
-    def reset_prefix_cache(self) -> None:
-        self._call("POST", "/reset_prefix_cache", repeatable=True, keyed=True)
+    def reset_prefix_cache(self) -> bool:
+        """False when the server says it could not (vLLM 0.32: blocks still held by running requests)."""
+        return self._json(self._call("POST", "/reset_prefix_cache", repeatable=True, keyed=True)).get("success", True) is not False
 
     def weight_spec(self) -> JSON:
         return self._json(self._call("GET", "/weight_spec", repeatable=True))
@@ -351,11 +368,19 @@ class RemoteStream(RequestStream):
         self._accepted = threading.Event()
         self.status: int | None = None
         self.error: BaseException | None = None  # a refusal, or a transport failure mid-stream
-        self.server_request_id: str | None = None
+        self.server_request_id: str | None = None  # the completion's id as the server names it
         self._thread = threading.Thread(target=self._read, name=f"sse-{request.request_id[:24]}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def abort(self) -> int:
+        """Abort this request through /abort_requests, under the id the server knows it by: ours takes
+        the request id; vLLM's engine knows the first (only) choice of completion `cmpl-<id>` as `cmpl-<id>-0`."""
+        if self._client.server_kind() == "weightsync":
+            return self._client.abort_requests([self.request.request_id])
+        completion_id = self.server_request_id or f"cmpl-{self.request.request_id}"
+        return self._client.abort_requests([f"{completion_id}-0"])
 
     def wait_accepted(self, timeout: float) -> None:
         if not self._accepted.wait(timeout):
@@ -382,7 +407,6 @@ class RemoteStream(RequestStream):
                 timeout=c._timeout(c.timeouts.stream_idle),  # noqa: SLF001
             ) as resp:
                 self.status = resp.status_code
-                self.server_request_id = resp.headers.get("x-request-id")
                 if resp.status_code >= 400:
                     resp.read()
                     self.error = error_from_response(resp)
@@ -395,6 +419,8 @@ class RemoteStream(RequestStream):
                     if data == "[DONE]":
                         break
                     chunk = json.loads(data)
+                    if self.server_request_id is None and isinstance(chunk.get("id"), str):
+                        self.server_request_id = chunk["id"]
                     if not chunk.get("choices"):
                         continue  # the usage chunk, or an error object
                     choice = chunk["choices"][0]

@@ -25,12 +25,19 @@ from harness.api import (
 )
 from harness.control.client import ControlClient
 
+VLLM_INITIAL_VERSION = "default"  # what vLLM's /weight_info says before any versioned finish
+
 
 class RemoteReceiver(Receiver):
-    """The four phases, over HTTP."""
+    """The four phases, over HTTP.
 
-    def __init__(self, client: ControlClient):
+    vLLM has no route to abort an update: its next start_weight_update is refused while one is open,
+    and finish would commit what was staged. `discard` is what to do there instead (e.g. have the
+    transport drop its staged tensors through /collective_rpc, then finish with nothing staged)."""
+
+    def __init__(self, client: ControlClient, discard: Callable[[ControlClient], None] | None = None):
         self.client = client
+        self.discard = discard
 
     def init_transfer_engine(self, init_info: JSON) -> None:
         self.client.init_weight_transfer_engine(init_info)
@@ -45,8 +52,8 @@ class RemoteReceiver(Receiver):
         self.client.finish_weight_update(version)
 
     def abort_weight_update(self) -> None:
-        # vLLM has no such route; there the staged update is left for the next start to replace
-        self.client.abort_weight_update()
+        if not self.client.abort_weight_update() and self.discard is not None:
+            self.discard(self.client)
 
 
 class RemoteEngine(Engine):
@@ -63,6 +70,8 @@ class RemoteEngine(Engine):
         if isinstance(info.get("engine_version"), int):
             return info["engine_version"]
         label = info.get("weight_version")
+        if label in (None, "", VLLM_INITIAL_VERSION):
+            return 0
         if isinstance(label, str) and label.isdigit():
             return int(label)
         raise EngineStateError(f"the server reports weight_version {label!r}, not an integer version")
@@ -110,13 +119,14 @@ class RemoteDeployment(Deployment):
         sender: Sender,
         clients: Sequence[ControlClient],
         oracles: Sequence[Callable[[], dict[str, torch.Tensor]] | None] | None = None,
+        discard: Callable[[ControlClient], None] | None = None,
     ):
         self.sender = sender
         self.init_info = sender.init()
         oracles = list(oracles) if oracles is not None else [None] * len(clients)
         self.handles = []
         for client, oracle in zip(clients, oracles, strict=True):
-            receiver = RemoteReceiver(client)
+            receiver = RemoteReceiver(client, discard)
             receiver.init_transfer_engine(self.init_info)
             self.handles.append(EngineHandle(receiver, RemoteEngine(client, oracle)))
 

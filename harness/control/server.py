@@ -7,6 +7,7 @@ Routes and bodies follow vLLM 0.32's dev mode (VLLM_SERVER_DEV_MODE=1) so one cl
     POST /start_weight_update                       POST /update_weights {update_info}
     POST /finish_weight_update {weight_version?}    POST /update_weight_version {new_version}
     GET  /weight_info                               POST /reset_prefix_cache
+    POST /shutdown_weight_transfer_engine
     POST /v1/completions  (token-id prompts, greedy, SSE streaming with per-token weight versions)
 
 Beyond vLLM (vLLM's dev routes have no auth at all):
@@ -443,6 +444,12 @@ class ControlServer:
             self._updating, self._staged_version, self._update_failure = False, None, None
         return {"message": "Weight update aborted", "weight_version": str(self.engine.weight_version)}
 
+    def _shutdown_transfer(self) -> dict[str, Any]:
+        with self._state_lock:
+            self.receiver.shutdown()
+            self._updating, self._staged_version, self._update_failure = False, None, None
+        return {"message": "Weight transfer shut down"}
+
     def _pause(self, mode: str, clear_cache: bool) -> dict[str, Any]:
         with self._pause_lock:
             self.engine.pause(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
@@ -730,6 +737,12 @@ class ControlServer:
             body = await srv._body(request, schemas.EmptyBody, required=False)
             return await srv._mutation(request, body, srv._abort_update)
 
+        @app.post("/shutdown_weight_transfer_engine")
+        async def shutdown_weight_transfer_engine(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.EmptyBody, required=False)
+            return await srv._mutation(request, body, srv._shutdown_transfer)
+
         @app.post("/update_weight_version")
         async def update_weight_version(request: Request):
             srv._query(request, ())
@@ -760,7 +773,7 @@ class ControlServer:
 
             def op() -> dict[str, Any]:
                 srv.engine.reset_prefix_cache()
-                return {"status": "ok"}
+                return {"success": True}  # vLLM 0.32's answer
 
             return await srv._mutation(request, body, op)
 

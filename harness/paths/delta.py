@@ -1,0 +1,218 @@
+"""Sparse delta from version v to v+1, carried by another path's data plane (broadcast or ipc).
+
+Sender: for every tensor, the elements whose raw bits changed since the last committed version are
+shipped as (indices, values); a tensor falls back to dense when the patch would not be smaller or
+its changed fraction passes `max_sparse_fraction` (extraction and scatter cost more per element than
+a copy). Receiver: checks that it holds the base (engine version and per-tensor digest), applies the
+patch into a staging copy, and the shared lifecycle verifies the result's digest before commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from harness.api import JSON, Backend, BaseMismatch, Capabilities, ManifestMismatch, Sender, WeightSpec
+from harness.manifest import Manifest, as_bytes, digest, from_bytes
+from harness.paths import delta_codec as codec
+from harness.paths.base import StagingReceiver, manifest_of
+from harness.paths.broadcast import BroadcastReceiver, BroadcastSender
+from harness.paths.ipc import IpcReceiver, IpcSender
+
+DEFAULT_MAX_SPARSE_FRACTION = 0.25
+
+
+@dataclasses.dataclass
+class DeltaStats:
+    version: int
+    dense_bytes: int = 0  # what a full sync would move
+    moved_bytes: int = 0  # payload actually moved (indices + values + dense fallbacks)
+    sparse_tensors: int = 0
+    dense_tensors: int = 0
+    changed_elements: int = 0
+    total_elements: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.moved_bytes / self.dense_bytes if self.dense_bytes else 0.0
+
+
+def encode_delta(
+    base: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], max_sparse_fraction: float, version: int
+) -> tuple[dict[str, torch.Tensor], dict[str, JSON], DeltaStats]:
+    """Payload tensors (uint8) and per-tensor patch descriptors for base -> new."""
+    payload: dict[str, torch.Tensor] = {}
+    entries: dict[str, JSON] = {}
+    stats = DeltaStats(version)
+    for name, t in new.items():
+        nbytes = t.numel() * t.element_size()
+        stats.dense_bytes += nbytes
+        stats.total_elements += t.numel()
+        old = base.get(name) if base is not None else None
+        sparse = None
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+            idx = codec.changed_indices(old, t)
+            stats.changed_elements += idx.numel()
+            if idx.numel() <= max_sparse_fraction * t.numel():
+                enc = codec.encode_indices(idx, t.numel())
+                values = codec.gather_values(t, idx)
+                if enc.data.numel() + values.numel() < nbytes:
+                    sparse = (enc, values, digest(old))
+        else:
+            stats.changed_elements += t.numel()
+        if sparse is None:
+            payload[f"{name}#dense"] = as_bytes(t)
+            entries[name] = {"mode": "dense"}
+            stats.dense_tensors += 1
+            stats.moved_bytes += nbytes
+        else:
+            enc, values, base_digest = sparse
+            payload[f"{name}#idx"] = enc.data
+            payload[f"{name}#val"] = values
+            entries[name] = {"mode": "sparse", "encoding": enc.encoding, "count": enc.count, "base_digest": base_digest}
+            stats.sparse_tensors += 1
+            stats.moved_bytes += enc.data.numel() + values.numel()
+    return payload, entries, stats
+
+
+class DeltaSender(Sender):
+    """Wraps a byte-moving sender; its base advances only when every engine committed."""
+
+    def __init__(self, transport: Sender, max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION):
+        self.transport = transport
+        self.max_sparse_fraction = max_sparse_fraction
+        self._base: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.history: list[DeltaStats] = []
+
+    def init(self) -> JSON:
+        return self.transport.init()
+
+    def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
+        base_version, base = self._base if self._base else (None, None)
+        payload, entries, stats = encode_delta(base, named_tensors, self.max_sparse_fraction, version)
+        self.history.append(stats)
+        self._pending = (version, {n: t.detach().clone() for n, t in named_tensors.items()})
+        return {
+            "manifest": Manifest.build(version, named_tensors, bucket_bytes=1 << 62).to_json(),
+            "delta": {"base_version": base_version, "entries": entries},
+            "payload": self.transport.prepare(version, payload),
+        }
+
+    def transmit(self) -> None:
+        self.transport.transmit()
+
+    def complete(self, committed: bool) -> None:
+        self.transport.complete(committed)
+        if committed and self._pending is not None:
+            self._base = self._pending
+        self._pending = None
+
+    def reset(self) -> None:
+        self._base = self._pending = None
+        self.transport.reset()
+
+    def shutdown(self) -> None:
+        self.transport.shutdown()
+
+
+class DeltaReceiver(StagingReceiver):
+    """Receives the payload with a transport receiver's data plane, then patches a staging copy."""
+
+    transport_cls: type[StagingReceiver] = BroadcastReceiver
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.transport = self.transport_cls(engine)
+        self.must_drain = self.transport.must_drain
+
+    def _init(self, init_info: JSON) -> None:
+        self.transport._init(init_info)  # noqa: SLF001 - same data plane, this receiver's lifecycle
+
+    def _receive(self, manifest: Manifest, update_info: JSON) -> dict[str, torch.Tensor]:
+        payload_info = dict(update_info.get("payload") or {})
+        payload_manifest = manifest_of(payload_info)
+        payload = self.transport._receive(payload_manifest, payload_info)  # noqa: SLF001
+        for name in payload_manifest.names:  # the patch itself must be intact before it is applied
+            payload_manifest.verify(name, payload[name])
+        delta = update_info.get("delta") or {}
+        entries = delta.get("entries") or {}
+        if sorted(entries) != sorted(manifest.names):
+            raise ManifestMismatch(f"version {manifest.version}: delta entries do not match the manifest's tensors")
+        sparse = [n for n, e in entries.items() if e.get("mode") == "sparse"]
+        current = self.engine.read_weights() if sparse else {}
+        if sparse and delta.get("base_version") != self.engine.weight_version:
+            raise BaseMismatch(
+                f"version {manifest.version}: patch made against version {delta.get('base_version')}, engine holds "
+                f"version {self.engine.weight_version}; refused (send it dense, or the right patch)"
+            )
+        out: dict[str, torch.Tensor] = {}
+        for name, e in entries.items():
+            spec = manifest.entry(name)
+            if e.get("mode") == "dense":
+                out[name] = from_bytes(payload[f"{name}#dense"], spec.shape, spec.torch_dtype).clone()
+                continue
+            base = current[name]
+            if digest(base) != e.get("base_digest"):
+                raise BaseMismatch(
+                    f"version {manifest.version}: tensor {name!r} on the engine (version {self.engine.weight_version}) "
+                    "is not the patch's base (digest differs); refused"
+                )
+            enc = codec.EncodedIndices(str(e.get("encoding")), payload[f"{name}#idx"], int(e.get("count", -1)))
+            idx = codec.decode_indices(enc, base.numel())
+            out[name] = codec.apply_patch(base, idx, payload[f"{name}#val"]).reshape(spec.shape)
+        return out
+
+    def rebind(self, engine) -> None:
+        super().rebind(engine)
+        self.transport.engine = engine
+
+    def _shutdown(self) -> None:
+        self.transport._shutdown()  # noqa: SLF001
+
+
+class DeltaIpcReceiver(DeltaReceiver):
+    transport_cls = IpcReceiver
+
+
+class DeltaBackend(Backend):
+    """Built-in backends `delta` (over broadcast) and `delta-ipc` (over shared memory)."""
+
+    def __init__(self, transport: str = "broadcast", max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION,
+                 device: str = "cpu"):
+        self.transport = transport
+        self.max_sparse_fraction = max_sparse_fraction
+        self.device = device
+        self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
+        self.capabilities = Capabilities(delta=True, ipc=transport == "ipc", multi_receiver=True, max_receivers=8,
+                                         gpu=device != "cpu")
+
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+        from harness.launch import RankDeployment
+
+        if self.transport == "broadcast":
+            backend = "nccl" if self.device != "cpu" else "gloo"
+            transport: Sender = BroadcastSender(n_receivers, backend)
+            receiver_path, rank_info = "harness.paths.delta:DeltaReceiver", (lambda info, rank: {**info, "rank": rank})
+        else:
+            transport = IpcSender(self.device)
+            receiver_path, rank_info = "harness.paths.delta:DeltaIpcReceiver", (lambda info, rank: info)
+        return RankDeployment(
+            sender=DeltaSender(transport, self.max_sparse_fraction),
+            receiver_path=receiver_path,
+            n_receivers=n_receivers,
+            spec=spec,
+            engine=engine,
+            workdir=workdir,
+            rank_init_info=rank_info,
+        )
+
+
+def make_backend() -> DeltaBackend:
+    return DeltaBackend("broadcast")
+
+
+def make_ipc_backend() -> DeltaBackend:
+    return DeltaBackend("ipc")

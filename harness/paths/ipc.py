@@ -1,0 +1,207 @@
+"""The collocated path: the engine maps the trainer's buffer instead of receiving a copy over a socket.
+
+CPU: POSIX shared memory (/dev/shm), one segment per bucket. CUDA: CUDA IPC handles of one device
+buffer per bucket (same GPU or a peer GPU). Only metadata crosses the control channel, as JSON:
+segment names or IPC handles (bytes, base64), sizes and a per-sync token. The token is written at
+the head of every buffer, so a receiver given a stale handle (released) or a foreign one (another
+sync's, or anyone else's) gets a clear error instead of someone else's bytes. Everything prepare()
+allocates is released by complete(), after every sync, committed or not.
+"""
+
+from __future__ import annotations
+
+import base64
+import mmap
+import os
+import secrets
+from collections.abc import Mapping
+from multiprocessing import shared_memory
+
+import torch
+
+from harness.api import JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.manifest import Manifest
+from harness.paths.base import StagingReceiver
+
+TOKEN_BYTES = 16  # every buffer starts with the sync's token; payload follows
+SEGMENT_PREFIX = "wsync-"
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def _map_segment(name: str) -> mmap.mmap:
+    """Map an existing segment read-only (copy-on-write) by its /dev/shm path.
+
+    Not through SharedMemory: before Python 3.13 attaching registers the segment with the resource
+    tracker that spawned ranks share with the trainer, which then unlinks or double-unregisters it."""
+    if not name.startswith(SEGMENT_PREFIX) or "/" in name:
+        raise TransferError(f"{name!r} is not a weightsync shared-memory segment name: foreign handle")
+    try:
+        fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
+    except FileNotFoundError:
+        raise TransferError(f"shared-memory segment {name!r} does not exist: stale handle (already released?)") from None
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+
+
+def cuda_handle(buf: torch.Tensor) -> JSON:
+    """JSON-able CUDA IPC handle of a device buffer's storage."""
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = buf.untyped_storage()._share_cuda_()
+    b64 = lambda b: base64.b64encode(b).decode() if b else None  # noqa: E731
+    return {"device": device, "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
+            "ref_offset": ref_offset, "event_handle": b64(event_handle), "event_sync": event_sync}
+
+
+def open_cuda_handle(h: JSON) -> torch.Tensor:
+    unb64 = lambda s: base64.b64decode(s) if s else b""  # noqa: E731
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h["device"], unb64(h["handle"]), h["size"], h["offset"], unb64(h["ref_handle"]), h["ref_offset"],
+            unb64(h["event_handle"]), h["event_sync"],
+        )
+    except (RuntimeError, KeyError, TypeError) as exc:
+        raise TransferError(f"cannot open CUDA IPC handle: {type(exc).__name__}: {exc}") from None
+    return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
+
+
+class IpcSender(Sender):
+    def __init__(self, device: str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.device = torch.device(device)
+        self.bucket_bytes = bucket_bytes
+        self._segments: list[shared_memory.SharedMemory] = []
+        self._cuda_buffers: list[torch.Tensor] = []
+
+    def init(self) -> JSON:
+        return {"kind": "cuda" if self.device.type == "cuda" else "shm"}
+
+    def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
+        self.complete(False)  # a prepare that was never completed must not leak
+        manifest = Manifest.build(version, named_tensors, self.bucket_bytes)
+        token = secrets.token_bytes(TOKEN_BYTES)
+        token_t = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+        buffers = []
+        for b, size in enumerate(manifest.bucket_sizes):
+            packed = manifest.pack_bucket(b, named_tensors, device=self.device)
+            if self.device.type == "cuda":
+                buf = torch.empty(TOKEN_BYTES + size, dtype=torch.uint8, device=self.device)
+                buf[:TOKEN_BYTES].copy_(token_t)
+                buf[TOKEN_BYTES:].copy_(packed)
+                self._cuda_buffers.append(buf)
+                buffers.append({"cuda": cuda_handle(buf), "size": size})
+            else:
+                name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+                shm = shared_memory.SharedMemory(name=name, create=True, size=TOKEN_BYTES + size)
+                self._segments.append(shm)
+                view = torch.frombuffer(shm.buf, dtype=torch.uint8)
+                view[:TOKEN_BYTES].copy_(token_t)
+                view[TOKEN_BYTES:].copy_(packed)
+                del view  # no exported pointer may outlive the mapping
+                buffers.append({"shm": name, "size": size})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"manifest": manifest.to_json(), "token": token.hex(), "buffers": buffers}
+
+    def transmit(self) -> None:
+        """Nothing moves: the bytes already sit in memory the receivers map."""
+
+    def complete(self, committed: bool) -> None:
+        for shm in self._segments:
+            shm.close()
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+        self._segments.clear()
+        self._cuda_buffers.clear()
+
+    def shutdown(self) -> None:
+        self.complete(False)
+
+
+class IpcReceiver(StagingReceiver):
+    def __init__(self, engine, device: str | None = None):
+        super().__init__(engine)
+        self.device = device
+
+    def _init(self, init_info: JSON) -> None:
+        if init_info.get("kind") not in ("shm", "cuda"):
+            raise ManifestMismatch(f"ipc init_info needs kind 'shm' or 'cuda', got {init_info.get('kind')!r}")
+
+    def _receive(self, manifest: Manifest, update_info: JSON) -> dict[str, torch.Tensor]:
+        try:
+            token = bytes.fromhex(update_info["token"])
+            buffers = list(update_info["buffers"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ManifestMismatch(f"ipc update_info needs 'token' and 'buffers': {exc}") from None
+        if len(buffers) != len(manifest.bucket_sizes):
+            raise ManifestMismatch(f"{len(buffers)} buffers for {len(manifest.bucket_sizes)} buckets")
+        out: dict[str, torch.Tensor] = {}
+        for b, ref in enumerate(buffers):
+            out.update(self._read_bucket(manifest, b, ref, token))
+        return out
+
+    def _read_bucket(self, manifest: Manifest, b: int, ref: JSON, token: bytes) -> dict[str, torch.Tensor]:
+        size = manifest.bucket_sizes[b]
+        if "cuda" in ref:
+            buf = open_cuda_handle(ref["cuda"])
+            if buf.numel() < TOKEN_BYTES + size:
+                raise TransferError(f"CUDA buffer of bucket {b} holds {buf.numel()} bytes, expected {TOKEN_BYTES + size}")
+            head = bytes(buf[:TOKEN_BYTES].cpu().numpy())
+            self._check_token(head, token, f"CUDA buffer of bucket {b}")
+            return manifest.unpack_bucket(b, buf[TOKEN_BYTES : TOKEN_BYTES + size].cpu())
+        name = str(ref.get("shm"))
+        mapping = _map_segment(name)
+        try:
+            view = torch.frombuffer(mapping, dtype=torch.uint8)
+            try:
+                if view.numel() < TOKEN_BYTES + size:
+                    raise TransferError(f"segment {name} holds {view.numel()} bytes, expected {TOKEN_BYTES + size}")
+                self._check_token(bytes(view[:TOKEN_BYTES].numpy()), token, f"segment {name}")
+                return manifest.unpack_bucket(b, view[TOKEN_BYTES : TOKEN_BYTES + size])  # copies out
+            finally:
+                del view
+        finally:
+            mapping.close()
+
+    @staticmethod
+    def _check_token(head: bytes, token: bytes, what: str) -> None:
+        if head != token:
+            raise TransferError(f"{what} belongs to another sync (token {head.hex()[:12]}..., expected "
+                                f"{token.hex()[:12]}...): foreign or stale handle")
+
+
+class IpcBackend(Backend):
+    """Built-in backend `ipc`: engines in their own processes map the trainer's shared memory."""
+
+    name = "ipc"
+
+    def __init__(self, device: str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.capabilities = Capabilities(ipc=True, multi_receiver=True, max_receivers=8, gpu=device != "cpu")
+
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+        from harness.launch import RankDeployment
+
+        return RankDeployment(
+            sender=IpcSender(self.device, self.bucket_bytes),
+            receiver_path="harness.paths.ipc:IpcReceiver",
+            n_receivers=n_receivers,
+            spec=spec,
+            engine=engine,
+            workdir=workdir,
+            rank_init_info=lambda info, rank: info,
+        )
+
+
+def make_backend() -> IpcBackend:
+    return IpcBackend()
+
+
+def live_segments() -> list[str]:
+    """Segments of this harness present in /dev/shm now (for leak checks)."""
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX))
+    except FileNotFoundError:
+        return []
