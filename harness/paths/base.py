@@ -115,9 +115,13 @@ class StagingReceiver(Receiver, abc.ABC):
                     if not self.must_drain:
                         raise
                     refusal = exc
-                received = self._receive(manifest, dict(update_info))
                 if refusal is not None:
+                    try:
+                        self._receive(manifest, dict(update_info))  # drained only; the refusal is the answer
+                    except WeightSyncError:
+                        pass
                     raise refusal
+                received = self._receive(manifest, dict(update_info))
                 for name in manifest.names:
                     if name not in received:
                         raise ManifestMismatch(f"version {manifest.version}: tensor {name!r} did not arrive")

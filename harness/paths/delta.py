@@ -86,6 +86,7 @@ class DeltaSender(Sender):
         self._base: tuple[int, dict[str, torch.Tensor]] | None = None
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self.history: list[DeltaStats] = []
+        self.last_payload: dict[str, torch.Tensor] = {}  # what the last prepare() shipped (for replay tests)
 
     def init(self) -> JSON:
         return self.transport.init()
@@ -94,6 +95,7 @@ class DeltaSender(Sender):
         base_version, base = self._base if self._base else (None, None)
         payload, entries, stats = encode_delta(base, named_tensors, self.max_sparse_fraction, version)
         self.history.append(stats)
+        self.last_payload = payload
         self._pending = (version, {n: t.detach().clone() for n, t in named_tensors.items()})
         return {
             "manifest": Manifest.build(version, named_tensors, bucket_bytes=1 << 62).to_json(),

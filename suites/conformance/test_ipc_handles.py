@@ -1,0 +1,92 @@
+"""Invariant 8 for the collocated path: handles are released after every sync, and a receiver given a
+stale or foreign handle gets a clear error while the engine keeps its version."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fixtures.payloads import random_like_spec
+from harness.api import TransferError
+from harness.deployment import push
+from harness.paths.ipc import live_segments
+from harness.trainer import ReferenceTrainer
+from suites.conformance.helpers import assert_unchanged, snapshot
+
+pytestmark = [pytest.mark.requires("ipc"), pytest.mark.single_receiver]
+
+
+def _ipc_part(info):
+    """The ipc transport's own update_info (nested under 'payload' when delta rides on it)."""
+    return info["payload"] if "payload" in info else info
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _mapped_segments(pid: int) -> list[str]:
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return [line for line in maps.splitlines() if "/dev/shm/wsync-" in line]
+
+
+def test_no_segment_fd_or_mapping_outlives_its_sync(deployment):
+    trainer = ReferenceTrainer(deployment.handles[0].engine.weight_spec(), seed=21)
+    push(deployment, *trainer.step())
+    segments, fds = live_segments(), _open_fds()
+    for _ in range(60):
+        push(deployment, *trainer.step())
+    assert live_segments() == segments, f"segments left behind: {sorted(set(live_segments()) - set(segments))}"
+    assert _open_fds() <= fds, f"trainer process holds {_open_fds()} fds after 60 syncs, {fds} before"
+    for rank in getattr(deployment, "ranks", []):
+        assert not _mapped_segments(rank.pid), f"rank {rank.rank} still maps: {_mapped_segments(rank.pid)}"
+
+
+def _deliver_forged(deployment, forge):
+    weights = random_like_spec(deployment.handles[0].engine.weight_spec(), seed=5)
+    info = deployment.sender.prepare(1, weights)
+    forge(info)
+    errors = []
+    for h in deployment.handles:
+        h.receiver.start_weight_update()
+        try:
+            h.receiver.update_weights(info)
+        except TransferError as exc:
+            errors.append(str(exc))
+        finally:
+            h.receiver.abort_weight_update()
+    deployment.sender.complete(False)
+    return errors
+
+
+def test_stale_handle_is_refused(deployment):
+    before = snapshot(deployment)
+
+    def release_first(info):
+        deployment.sender.complete(False)  # the segments are gone before the engine maps them
+
+    errors = _deliver_forged(deployment, release_first)
+    assert len(errors) == len(deployment.handles) and all("stale handle" in e for e in errors), errors
+    assert_unchanged(deployment, before, "after a stale handle")
+
+
+@pytest.mark.parametrize("how", ["token", "name"])
+def test_foreign_handle_is_refused(deployment, how):
+    before = snapshot(deployment)
+
+    def forge(info):
+        part = _ipc_part(info)
+        if how == "token":
+            part["token"] = "ab" * 16  # another sync's buffers
+        else:
+            for b in part["buffers"]:
+                if "shm" in b:
+                    b["shm"] = "psm_not_ours"
+                else:
+                    b["cuda"]["offset"] += 16
+
+    errors = _deliver_forged(deployment, forge)
+    assert len(errors) == len(deployment.handles) and all("foreign" in e for e in errors), errors
+    assert_unchanged(deployment, before, f"after a foreign handle ({how})")

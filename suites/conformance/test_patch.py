@@ -1,0 +1,135 @@
+"""Invariant 2: base(v) + patch(v -> v+1) == v+1 bit for bit; a patch is only ever applied to its base."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from fixtures.payloads import spec_of, tensor_from_bits, weight_sets
+from harness.api import BaseMismatch, TensorSpec, VersionError
+from harness.deployment import push
+from harness.trainer import ReferenceTrainer
+from suites.conformance.helpers import assert_engines_hold, assert_unchanged, deliver_tampered, rerun_hint, snapshot
+
+pytestmark = pytest.mark.requires("delta")
+
+# A bf16 policy riding beside the engine's model: the regime delta is for (most entries unchanged).
+POLICY_SPEC = {f"policy.{i}.weight": TensorSpec(shape, torch.bfloat16)
+               for i, shape in enumerate([(256, 64), (64, 64), (129, 31), (1000,)])}
+
+
+def _policy_trainer(deployment, seed):
+    deployment.reset(POLICY_SPEC)
+    return ReferenceTrainer(POLICY_SPEC, seed=seed)
+
+
+def _mutate(t: torch.Tensor, fraction: float, data) -> torch.Tensor:
+    """A copy of t with about `fraction` of its elements replaced by arbitrary bits."""
+    out = t.contiguous().clone()
+    n = out.numel()
+    k = round(fraction * n)
+    if not k:
+        return out
+    idx = torch.tensor(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k, unique=True), label="idx"))
+    width = out.element_size()
+    bits = tensor_from_bits(data.draw(st.binary(min_size=k * width, max_size=k * width), label="bits"), (k,), out.dtype)
+    out.reshape(-1)[idx] = bits
+    return out
+
+
+@given(data=st.data(), fraction=st.sampled_from([0.0, 0.01, 0.1, 0.5, 0.9, 1.0]) | st.floats(0, 1))
+def test_patch_on_base_reproduces_the_next_version(deployment, backend, data, fraction, request, example_counter):
+    example_counter()
+    base = data.draw(weight_sets(dtypes=backend.capabilities.dtypes), label="base")
+    nxt = {n: _mutate(t, fraction, data) for n, t in base.items()}
+    deployment.reset(spec_of(base))
+    push(deployment, 1, base)
+    push(deployment, 2, nxt)
+    assert_engines_hold(deployment, 2, nxt, f"{backend.name}: base + patch at {fraction:.0%} changed", rerun_hint(request))
+
+
+def test_patch_against_the_wrong_base_version_is_refused(deployment, backend):
+    trainer = _policy_trainer(deployment, 11)
+    push(deployment, *trainer.step())
+    before = snapshot(deployment)
+
+    def claim_other_base(info):
+        info["delta"]["base_version"] = 0
+        return info
+
+    with pytest.raises(BaseMismatch, match="patch made against version 0"):
+        deliver_tampered(deployment, *trainer.step(), claim_other_base)
+    assert_unchanged(deployment, before, "after a patch for another base version")
+
+
+def test_patch_against_a_different_base_tensor_is_refused(deployment, backend):
+    trainer = _policy_trainer(deployment, 12)
+    push(deployment, *trainer.step())
+    before = snapshot(deployment)
+
+    def claim_other_digest(info):
+        name = next(n for n, e in info["delta"]["entries"].items() if e["mode"] == "sparse")
+        info["delta"]["entries"][name]["base_digest"] = "0" * 32
+        return info
+
+    with pytest.raises(BaseMismatch, match="is not the patch's base"):
+        deliver_tampered(deployment, *trainer.step(), claim_other_digest)
+    assert_unchanged(deployment, before, "after a patch for another base tensor")
+
+
+def _replay(deployment, update_info, payload, relabel=None):
+    """Deliver the very same patch bytes again (optionally claiming a new version)."""
+    sender = deployment.sender
+    info = copy.deepcopy(update_info)
+    if relabel is not None:
+        info["manifest"]["version"] = relabel
+    info["payload"] = sender.transport.prepare(info["manifest"]["version"], payload)
+    for h in deployment.handles:
+        h.receiver.start_weight_update()
+    try:
+        with cf.ThreadPoolExecutor(len(deployment.handles) + 1) as pool:
+            futures = [pool.submit(sender.transport.transmit)]
+            futures += [pool.submit(h.receiver.update_weights, info) for h in deployment.handles]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+    finally:
+        for h in deployment.handles:
+            h.receiver.abort_weight_update()
+        sender.transport.complete(False)
+
+
+def test_a_patch_applied_twice_is_refused(deployment, backend):
+    trainer = _policy_trainer(deployment, 13)
+    push(deployment, *trainer.step())
+    version, weights = trainer.step()
+    captured_info = deployment.sender.prepare(version, weights)  # capture the exact patch v1 -> v2 ...
+    payload = deployment.sender.last_payload
+    deployment.sender.complete(False)
+    push(deployment, version, weights)  # ... then apply it for real
+    before = snapshot(deployment)
+    with pytest.raises(VersionError, match="not newer"):
+        _replay(deployment, captured_info, payload)
+    with pytest.raises(BaseMismatch):
+        _replay(deployment, captured_info, payload, relabel=version + 1)
+    assert_unchanged(deployment, before, "after replaying a patch")
+
+
+@pytest.mark.single_receiver
+def test_fifty_trainer_steps_by_delta_equal_full_syncs(deployment, backend, request):
+    """Each version the trainer makes, sent as a patch, lands exactly as a full sync would put it."""
+    trainer = _policy_trainer(deployment, 14)
+    for _ in range(52):
+        version, weights = trainer.step()
+        push(deployment, version, weights)
+        assert_engines_hold(deployment, version, weights, f"{backend.name} trainer step {version}", rerun_hint(request))
+    history = deployment.sender.history[-51:]
+    sparse = sum(s.sparse_tensors for s in history)
+    assert sparse == len(POLICY_SPEC) * len(history), (
+        f"{sparse} of {len(POLICY_SPEC) * len(history)} tensor updates went as patches; at the trainer's "
+        f"sparsity every one should (moved/dense per step: {[round(s.ratio, 4) for s in history[:5]]}...)"
+    )
