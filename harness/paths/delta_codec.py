@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from harness.api import ManifestMismatch
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_GAP_WIDTHS = ((1, np.uint8), (2, np.uint16), (4, np.uint32), (8, np.uint64))
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -37,42 +35,51 @@ def changed_indices(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class EncodedIndices:
     encoding: str  # "bitmap" | "gap1" | "gap2" | "gap4" | "gap8"
-    data: torch.Tensor  # uint8
+    data: torch.Tensor  # uint8, on the device the indices were on
     count: int
 
 
+_BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)  # np.packbits order: first element in the high bit
+
+
 def encode_indices(idx: torch.Tensor, numel: int) -> EncodedIndices:
-    """The smaller of a bitmap of `numel` bits and the gap list of the narrowest width."""
+    """The smaller of a bitmap of `numel` bits and the gap list of the narrowest width (torch ops
+    only, so it runs where the tensors live, CPU or GPU)."""
     count = int(idx.numel())
     bitmap_bytes = (numel + 7) // 8
-    gaps = np.diff(idx.numpy(), prepend=-1) - 1 if count else np.zeros(0, dtype=np.int64)
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1 if count else idx.new_zeros(0)
     largest = int(gaps.max()) if count else 0
-    width, np_type = next((w, t) for w, t in _GAP_WIDTHS if largest < 1 << (8 * w))
+    width = next(w for w in (1, 2, 4) if largest < 1 << (8 * w)) if largest < 1 << 32 else 8
     if count * width <= bitmap_bytes:
-        raw = gaps.astype(np_type).tobytes()
-        return EncodedIndices(f"gap{width}", _bytes_tensor(raw), count)
-    mask = np.zeros(numel, dtype=bool)
-    mask[idx.numpy()] = True
-    return EncodedIndices("bitmap", _bytes_tensor(np.packbits(mask).tobytes()), count)
+        # little-endian low `width` bytes of each int64 gap
+        data = gaps.to(torch.int64).contiguous().view(torch.uint8).reshape(-1, 8)[:, :width].reshape(-1)
+        return EncodedIndices(f"gap{width}", data.contiguous(), count)
+    mask = torch.zeros(bitmap_bytes * 8, dtype=torch.uint8, device=idx.device)
+    mask[idx] = 1
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=idx.device)
+    return EncodedIndices("bitmap", (mask.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8), count)
 
 
 def decode_indices(enc: EncodedIndices, numel: int) -> torch.Tensor:
-    raw = enc.data.numpy().tobytes()
+    raw = enc.data
     if enc.encoding == "bitmap":
-        if len(raw) != (numel + 7) // 8:
-            raise ManifestMismatch(f"bitmap of {len(raw)} bytes for {numel} elements")
-        idx = np.flatnonzero(np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=numel))
-    elif enc.encoding.startswith("gap"):
+        if raw.numel() != (numel + 7) // 8:
+            raise ManifestMismatch(f"bitmap of {raw.numel()} bytes for {numel} elements")
+        weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=raw.device)
+        bits = (raw.reshape(-1, 1) & weights) != 0
+        idx = bits.reshape(-1)[:numel].nonzero().reshape(-1)
+    elif enc.encoding in ("gap1", "gap2", "gap4", "gap8"):
         width = int(enc.encoding[3:])
-        np_type = dict(_GAP_WIDTHS).get(width)
-        if np_type is None or len(raw) != enc.count * width:
-            raise ManifestMismatch(f"{enc.encoding} indices: {len(raw)} bytes for {enc.count} entries")
-        idx = np.cumsum(np.frombuffer(raw, dtype=np_type).astype(np.int64) + 1) - 1
+        if raw.numel() != enc.count * width:
+            raise ManifestMismatch(f"{enc.encoding} indices: {raw.numel()} bytes for {enc.count} entries")
+        wide = torch.zeros(enc.count, 8, dtype=torch.uint8, device=raw.device)
+        wide[:, :width] = raw.reshape(-1, width)
+        idx = torch.cumsum(wide.view(torch.int64).reshape(-1) + 1, dim=0) - 1
     else:
         raise ManifestMismatch(f"unknown index encoding {enc.encoding!r}")
-    if len(idx) != enc.count or (len(idx) and (idx[-1] >= numel or idx[0] < 0)):
-        raise ManifestMismatch(f"patch indices out of range: {len(idx)} indices for {numel} elements")
-    return torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
+    if idx.numel() != enc.count or (idx.numel() and (int(idx[-1]) >= numel or int(idx[0]) < 0)):
+        raise ManifestMismatch(f"patch indices out of range: {idx.numel()} indices for {numel} elements")
+    return idx
 
 
 def gather_values(new: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -89,7 +96,3 @@ def apply_patch(base: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> 
     if idx.numel():
         int_view(out)[idx] = values.view(_INT_VIEW[width])
     return out
-
-
-def _bytes_tensor(raw: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
