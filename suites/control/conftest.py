@@ -21,6 +21,13 @@ from harness.engines.reference import ReferenceEngine
 from harness.paths.disk import DiskReceiver, DiskSender
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A plain `pytest suites/control` stays quick: the slow tier (the load benchmark, real vLLM) runs
+    when a marker expression selects it (`-m slow`, `-m vllm`), as the nox sessions do."""
+    if item.get_closest_marker("slow") and not item.config.getoption("markexpr", ""):
+        pytest.skip("slow tier: select it with -m slow")
+
+
 @dataclasses.dataclass
 class Served:
     """One running control server and everything a test reaches it with."""

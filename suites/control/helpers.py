@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Iterable, Sequence
 
+import httpx
 import torch
 
 from fixtures.payloads import random_like_spec
@@ -165,3 +166,27 @@ def update_under_load(
         aborted=sum(c.finish_reason == "abort" for c in everything),
         server_stats=client.stats(),
     )
+
+
+class LoseAnswers(httpx.BaseTransport):
+    """A transport that, for the first `n` requests to `path`, either delivers the request and drops the
+    server's answer (mode 'answer': the client sees a ReadTimeout although the server ran it), or drops
+    the request itself (mode 'request': a ConnectError, the server never sees it)."""
+
+    def __init__(self, path: str, n: int = 1, mode: str = "answer"):
+        self.path, self.remaining, self.mode = path, n, mode
+        self._inner = httpx.HTTPTransport()
+
+    def handle_request(self, req: httpx.Request) -> httpx.Response:
+        if req.url.path == self.path and self.remaining > 0:
+            self.remaining -= 1
+            if self.mode == "request":
+                raise httpx.ConnectError("injected: connection refused", request=req)
+            resp = self._inner.handle_request(req)
+            resp.read()
+            resp.close()
+            raise httpx.ReadTimeout("injected: the answer was lost", request=req)
+        return self._inner.handle_request(req)
+
+    def close(self) -> None:
+        self._inner.close()

@@ -39,6 +39,7 @@ VALID_BODY = {
     "/update_weights": {"update_info": {}},
     "/finish_weight_update": {},
     "/abort_weight_update": {},
+    "/shutdown_weight_transfer_engine": {},
     "/update_weight_version": {"new_version": "fuzz"},
     "/reset_prefix_cache": {},
     "/v1/completions": {"prompt": [1, 2], "max_tokens": 1},
@@ -53,7 +54,10 @@ FIELDS = {
     "/v1/completions": set(schemas.CompletionBody.model_fields),
 }
 QUERY = {"/pause": {"mode", "clear_cache", "wait_for_inflight_requests"}, "/reset_prefix_cache": {"reset_running_requests", "reset_external"}}
-KEYED = ["/pause", "/resume", "/start_weight_update", "/abort_weight_update", "/update_weight_version", "/reset_prefix_cache"]
+KEYED = [
+    "/pause", "/resume", "/start_weight_update", "/abort_weight_update", "/shutdown_weight_transfer_engine",
+    "/update_weight_version", "/reset_prefix_cache",
+]  # fmt: skip
 POST_ROUTES = sorted(VALID_BODY)
 GET_ROUTES = ["/is_paused", "/weight_info", "/weight_spec", "/stats", "/health"]
 CLIENT_ERRORS = frozenset(range(400, 500))

@@ -26,6 +26,7 @@ MUTATING = {
     "/update_weights": {"json": {"update_info": {}}},
     "/finish_weight_update": {"json": {"weight_version": "1"}},
     "/abort_weight_update": {},
+    "/shutdown_weight_transfer_engine": {},
     "/update_weight_version": {"json": {"new_version": "stolen"}},
     "/reset_prefix_cache": {},
     "/v1/completions": {"json": {"prompt": [1, 2], "max_tokens": 2}},
