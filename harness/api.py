@@ -273,7 +273,8 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Atomically install a verified set of tensors as `version` and invalidate caches.
-        Called by receivers at finish; no forward pass sees a half-applied set."""
+        Called by receivers at finish; no forward pass sees a half-applied set. The engine may keep
+        the tensors themselves: the caller hands them over and must not modify them afterwards."""
 
     @abc.abstractmethod
     def reset_prefix_cache(self) -> None: ...

@@ -176,9 +176,22 @@ class Manifest:
             )
 
     # ------------------------------------------------------------------ buckets
-    def pack_bucket(self, bucket: int, named_tensors: Mapping[str, torch.Tensor], device=None) -> torch.Tensor:
-        """One flat uint8 buffer holding every tensor of `bucket` at its planned offset."""
-        buf = torch.zeros(self.bucket_sizes[bucket], dtype=torch.uint8, device=device)
+    def pack_bucket(
+        self, bucket: int, named_tensors: Mapping[str, torch.Tensor], device=None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One flat uint8 buffer holding every tensor of `bucket` at its planned offset (written into
+        `out` when given, e.g. straight into a shared-memory segment, saving a copy)."""
+        size = self.bucket_sizes[bucket]
+        if out is None:
+            buf = torch.zeros(size, dtype=torch.uint8, device=device)
+        else:
+            if out.dtype != torch.uint8 or out.numel() != size:
+                raise ValueError(f"out must be {size} uint8 bytes, got {out.numel()} {out.dtype}")
+            buf = out
+            previous_end = 0
+            for e in self.bucket_entries(bucket):  # alignment gaps must not carry stale bytes
+                buf[previous_end : e.offset].zero_()
+                previous_end = e.offset + e.nbytes
         for e in self.bucket_entries(bucket):
             if e.nbytes:
                 buf[e.offset : e.offset + e.nbytes].copy_(as_bytes(named_tensors[e.name]))

@@ -160,7 +160,7 @@ class ReferenceEngine(Engine):
         # Build the whole new live dict first (copy-on-write), then swap it in under the step lock.
         with self._lock:
             checkpoint = tiny_lm.unfuse(self._live, self.config)
-        checkpoint.update({n: t.detach().clone() for n, t in tensors.items()})
+        checkpoint.update({n: t.detach() for n, t in tensors.items()})  # ownership passes to the engine
         new_live = tiny_lm.fuse(checkpoint)
         with self._cond:
             if version <= self._version:  # re-checked: another commit may have landed meanwhile

@@ -82,11 +82,10 @@ class IpcSender(Sender):
         token_t = torch.frombuffer(bytearray(token), dtype=torch.uint8)
         buffers = []
         for b, size in enumerate(manifest.bucket_sizes):
-            packed = manifest.pack_bucket(b, named_tensors, device=self.device)
             if self.device.type == "cuda":
                 buf = torch.empty(TOKEN_BYTES + size, dtype=torch.uint8, device=self.device)
                 buf[:TOKEN_BYTES].copy_(token_t)
-                buf[TOKEN_BYTES:].copy_(packed)
+                manifest.pack_bucket(b, named_tensors, out=buf[TOKEN_BYTES:])
                 self._cuda_buffers.append(buf)
                 buffers.append({"cuda": cuda_handle(buf), "size": size})
             else:
@@ -95,7 +94,7 @@ class IpcSender(Sender):
                 self._segments.append(shm)
                 view = torch.frombuffer(shm.buf, dtype=torch.uint8)
                 view[:TOKEN_BYTES].copy_(token_t)
-                view[TOKEN_BYTES:].copy_(packed)
+                manifest.pack_bucket(b, named_tensors, out=view[TOKEN_BYTES:])  # packed in place: one copy
                 del view  # no exported pointer may outlive the mapping
                 buffers.append({"shm": name, "size": size})
         if self.device.type == "cuda":
