@@ -202,3 +202,8 @@ class BroadcastBackend(Backend):
 
 def make_backend() -> BroadcastBackend:
     return BroadcastBackend()
+
+
+def make_nccl_backend() -> BroadcastBackend:
+    """The same path over NCCL: rank r on GPU r (the GPU variant; needs 1 + receivers GPUs)."""
+    return BroadcastBackend(backend="nccl", bucket_bytes=64 << 20)

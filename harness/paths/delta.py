@@ -218,3 +218,8 @@ def make_backend() -> DeltaBackend:
 
 def make_ipc_backend() -> DeltaBackend:
     return DeltaBackend("ipc")
+
+
+def make_nccl_backend() -> DeltaBackend:
+    """Delta carried by NCCL broadcast (the GPU variant)."""
+    return DeltaBackend("broadcast", device="cuda")

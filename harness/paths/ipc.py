@@ -61,7 +61,7 @@ def open_cuda_handle(h: JSON) -> torch.Tensor:
             unb64(h["event_handle"]), h["event_sync"],
         )
     except (RuntimeError, KeyError, TypeError) as exc:
-        raise TransferError(f"cannot open CUDA IPC handle: {type(exc).__name__}: {exc}") from None
+        raise TransferError(f"cannot open CUDA IPC handle (foreign or stale handle?): {type(exc).__name__}: {exc}") from None
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
@@ -148,7 +148,8 @@ class IpcReceiver(StagingReceiver):
                 raise TransferError(f"CUDA buffer of bucket {b} holds {buf.numel()} bytes, expected {TOKEN_BYTES + size}")
             head = bytes(buf[:TOKEN_BYTES].cpu().numpy())
             self._check_token(head, token, f"CUDA buffer of bucket {b}")
-            return manifest.unpack_bucket(b, buf[TOKEN_BYTES : TOKEN_BYTES + size].cpu())
+            # unpack on the receiver's device (a GPU engine), else into host memory for a CPU engine
+            return manifest.unpack_bucket(b, buf[TOKEN_BYTES : TOKEN_BYTES + size].to(self.device or "cpu"))
         name = str(ref.get("shm"))
         mapping = _map_segment(name)
         try:
@@ -196,6 +197,11 @@ class IpcBackend(Backend):
 
 def make_backend() -> IpcBackend:
     return IpcBackend()
+
+
+def make_cuda_backend() -> IpcBackend:
+    """CUDA IPC handles of buffers on cuda:0 (the GPU variant; needs a GPU)."""
+    return IpcBackend(device="cuda:0")
 
 
 def live_segments() -> list[str]:

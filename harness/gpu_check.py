@@ -1,0 +1,243 @@
+"""Every GPU variant in one call: ceilings, NCCL broadcast, CUDA IPC, delta on GPU, and the
+conformance suite over the GPU backends. Writes JSON + Markdown under --out.
+
+    python -m harness.gpu_check --out $OUT          # on a machine with 2 GPUs
+
+Method (device README's METHOD.md): ceilings measured in the same run (device-to-device copy, bare
+NCCL broadcast); timings with CUDA synchronisation around the region, warm-up first, median of
+repeats; every timed result checked bit for bit; payloads random, never zeros.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from harness.manifest import Manifest, digest
+from harness.paths import delta_codec as codec
+
+SIZES = [64 << 20, 256 << 20, 1 << 30]
+REPEATS = 10
+
+
+def _timed(fn, repeats=REPEATS, warmup=3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _payload(nbytes: int, device, seed=0, n=8) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    per = nbytes // 2 // n
+    return {f"w{i}": torch.randn(per, generator=gen, device=device).to(torch.bfloat16) for i in range(n)}
+
+
+def copy_ceiling() -> list[dict]:
+    rows = []
+    for size in SIZES:
+        src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty_like(src)
+        t = _timed(lambda: dst.copy_(src))
+        rows.append({"size": size, "time_s": t, "gbs_read_plus_write": 2 * size / t / 1e9, "gbs": size / t / 1e9})
+    return rows
+
+
+def _bcast_worker(rank: int, port: int, queue) -> None:
+    from harness.paths.broadcast import make_group
+
+    torch.cuda.set_device(rank)
+    group = make_group("nccl", "127.0.0.1", port, rank, 2, 120.0,
+                       store=torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                                                        timeout=datetime.timedelta(seconds=120)))
+    out = []
+    for size in SIZES:
+        # bare NCCL broadcast of one buffer: the ceiling
+        buf = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
+        bare = _timed(lambda: group.broadcast(buf, 0).wait())
+        # the path: pack (rank 0), broadcast the bucket, unpack typed copies (rank 1), bucket = 64 MiB
+        weights = _payload(size, "cuda", seed=size % 997)
+        manifest = Manifest.build(1, weights, 64 << 20)
+        received: dict = {}
+
+        def path_once():
+            for b, bsize in enumerate(manifest.bucket_sizes):
+                bb = manifest.pack_bucket(b, weights, device="cuda") if rank == 0 else torch.empty(
+                    bsize, dtype=torch.uint8, device="cuda")
+                group.broadcast(bb, 0).wait()
+                if rank == 1:
+                    received.update(manifest.unpack_bucket(b, bb))
+
+        t_path = _timed(path_once)
+        wrong = sum(digest(received[e.name]) != e.digest for e in manifest.entries) if rank == 1 else 0
+        out.append({"size": manifest.total_bytes, "bare_nccl_s": bare, "path_s": t_path, "wrong": wrong})
+    queue.put((rank, out))
+
+
+def nccl_broadcast() -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = 29000 + os.getpid() % 1000
+    procs = [ctx.Process(target=_bcast_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    rows = []
+    for r0, r1 in zip(results[0], results[1]):
+        size = r0["size"]
+        rows.append({"size": size, "path_s": r0["path_s"], "path_gbs": size / r0["path_s"] / 1e9,
+                     "bare_nccl_gbs": size / r0["bare_nccl_s"] / 1e9,
+                     "ratio": r0["bare_nccl_s"] / r0["path_s"], "wrong": r1["wrong"]})
+    return rows
+
+
+def _ipc_worker(handle_info: dict, device: str, queue) -> None:
+    from harness.paths.ipc import IpcReceiver
+
+    try:
+        manifest = Manifest.from_json(handle_info["manifest"])
+        receiver = IpcReceiver(engine=None, device=device)
+
+        def once():
+            return receiver._receive(manifest, handle_info)  # noqa: SLF001 - the data plane alone
+
+        t = _timed(once, repeats=5)
+        got = once()
+        wrong = sum(digest(got[e.name]) != e.digest for e in manifest.entries)
+        queue.put({"device": device, "time_s": t, "wrong": wrong})
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        queue.put({"device": device, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def cuda_ipc() -> list[dict]:
+    from harness.paths.ipc import IpcSender
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for size in SIZES[:2]:
+        sender = IpcSender("cuda:0", bucket_bytes=1 << 40)
+        weights = _payload(size, "cuda:0", seed=3)
+        info = sender.prepare(1, weights)
+        for device in ("cuda:0", "cuda:1"):  # same GPU, peer GPU
+            queue = ctx.Queue()
+            p = ctx.Process(target=_ipc_worker, args=(info, device, queue))
+            p.start()
+            res = queue.get(timeout=300)
+            p.join(60)
+            res["size"] = Manifest.from_json(info["manifest"]).total_bytes
+            if "time_s" in res:
+                res["gbs"] = res["size"] / res["time_s"] / 1e9
+            rows.append(res)
+        sender.complete(True)
+        # after release, the handle must be refused or at least never deliver bytes that pass the token
+        queue = ctx.Queue()
+        p = ctx.Process(target=_ipc_worker, args=(info, "cuda:0", queue))
+        p.start()
+        stale = queue.get(timeout=300)
+        p.join(60)
+        rows.append({"size": size, "device": "stale handle", **stale})
+    return rows
+
+
+def delta_on_gpu() -> list[dict]:
+    rows = []
+    for fraction in (0.01, 0.1):
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        old = torch.randn(256 << 20 >> 1, generator=gen, device="cuda").to(torch.bfloat16)
+        new = old.clone()
+        idx = torch.randperm(old.numel(), generator=gen, device="cuda")[: int(fraction * old.numel())]
+        new[idx] = (new[idx].float() + 1).to(torch.bfloat16)
+        state: dict = {}
+
+        def extract():
+            i = codec.changed_indices(old, new)
+            state["enc"], state["vals"] = codec.encode_indices(i, old.numel()), codec.gather_values(new, i)
+
+        def apply():
+            state["out"] = codec.apply_patch(old, codec.decode_indices(state["enc"], old.numel()), state["vals"])
+
+        t_ex, t_ap = _timed(extract), _timed(apply)
+        gb = old.numel() * 2 / 1e9
+        exact = torch.equal(codec.int_view(state["out"]), codec.int_view(new))
+        rows.append({"fraction": fraction, "gb": gb, "extract_gb_per_s": gb / t_ex, "apply_gb_per_s": gb / t_ap,
+                     "moved_over_dense": (state["enc"].data.numel() + state["vals"].numel()) / (old.numel() * 2),
+                     "encoding": state["enc"].encoding, "exact": exact})
+    return rows
+
+
+def conformance(out: Path) -> list[dict]:
+    rows = []
+    for name in ("harness.paths.broadcast:make_nccl_backend", "harness.paths.ipc:make_cuda_backend",
+                 "harness.paths.delta:make_nccl_backend"):
+        slug = name.split(":")[0].rsplit(".", 1)[-1] + "-" + name.split(":")[1]
+        results = out / f"conformance-{slug}.json"
+        cmd = [sys.executable, "-m", "pytest", "suites/conformance", "-q", "-p", "harness.pytest_plugin",
+               "-p", "no:cacheprovider", f"--weightsync-backend={name}", "--weightsync-receivers=1",
+               f"--weightsync-results={results}", "-x", "--timeout=300",
+               "--deselect", "suites/conformance/test_torchrun.py", "--deselect", "suites/conformance/test_supervision.py"]
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+        tail = (proc.stdout + proc.stderr)[-1500:]
+        data = json.loads(results.read_text()) if results.exists() else {"tests": {}}
+        statuses = [t.get("status") for t in data["tests"].values()]
+        rows.append({"backend": name, "exit": proc.returncode, "seconds": round(time.time() - t0, 1),
+                     "passed": statuses.count("passed"), "failed": statuses.count("failed"),
+                     "not_supported": statuses.count("not_supported"), "tail": tail})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--skip-conformance", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "python": sys.version.split()[0],
+        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    try:
+        env["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        env["topology"] = "n/a"
+    results: dict = {"environment": env}
+    for name, fn in (("copy_ceiling", copy_ceiling), ("nccl_broadcast", nccl_broadcast), ("cuda_ipc", cuda_ipc),
+                     ("delta_gpu", delta_on_gpu)):
+        t0 = time.time()
+        try:
+            results[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"{name}: {time.time() - t0:.1f}s", flush=True)
+        (out / "gpu_results.json").write_text(json.dumps(results, indent=2, default=str))
+    if not args.skip_conformance:
+        results["conformance"] = conformance(out)
+    (out / "gpu_results.json").write_text(json.dumps(results, indent=2, default=str))
+    print(json.dumps({k: v for k, v in results.items() if k != "environment"}, indent=1, default=str)[-6000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
