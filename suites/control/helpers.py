@@ -87,6 +87,7 @@ class UpdateUnderLoad:
     max_tokens: int
     queued_tokens: int
     pause_s: float  # how long /pause took to answer
+    running_before_pause: dict[str, bool]  # in-flight request id -> still running when /pause was sent
     in_flight: list[Completion]
     queued: list[Completion]  # sent while paused
     engine_done_at_pause: dict[str, bool]  # in-flight request id -> finished when /pause returned
@@ -110,6 +111,8 @@ class UpdateUnderLoad:
         for c in [*self.in_flight, *self.queued]:
             runs = " -> ".join(f"v{v} x{n}" for v, n in version_runs(c.token_versions)) or "no tokens"
             rows.append(f"  {c.request_id}: {runs} finish={c.finish_reason}")
+        rows.append(f"  running when /pause was sent: {self.running_before_pause}")
+        rows.append(f"  engine tokens when /pause returned: {self.engine_tokens_at_pause}")
         rows.append(f"  server stats: {self.server_stats}")
         return "\n".join(rows)
 
@@ -130,10 +133,13 @@ def update_under_load(
     `max_tokens` must outlast the pause call: the reference engine's scheduler re-takes its lock after
     every step, so pause() has been measured to wait up to ~250 ms for it while requests run."""
     client = served.client
-    streams = start_streams(client, n_in_flight, max_tokens, f"{mode}-inflight")
+    streams, engine_streams = [], {}
+    for _ in range(n_in_flight):  # the engine-side stream, taken as soon as the server accepted the request
+        stream = client.submit(request(max_tokens, f"{mode}-inflight"))
+        streams.append(stream)
+        engine_streams[stream.request.request_id] = served.server.live_streams()[stream.request.request_id]
     wait_tokens(streams, before)
-    live = served.server.live_streams()
-    engine_streams = {s.request.request_id: live[s.request.request_id] for s in streams if s.request.request_id in live}
+    running_before_pause = {rid: not es.done for rid, es in engine_streams.items()}
     started = time.monotonic()
     client.pause(mode)
     pause_s = time.monotonic() - started
@@ -145,8 +151,8 @@ def update_under_load(
     tokens_before_resume = {rid: engine_tokens(es) for rid, es in engine_streams.items()}
     queued_before_resume = {rid: engine_tokens(es) for rid, es in queued_engine.items()}
     client.resume()
-    in_flight = [s.result(60) for s in streams]
-    queued_results = [s.result(60) for s in queued]
+    in_flight = [s.result(120) for s in streams]
+    queued_results = [s.result(120) for s in queued]
     everything = [*in_flight, *queued_results]
     errors = [f"{s.request.request_id}: {s.error!r}" for s in [*streams, *queued] if s.error is not None]
     assert not errors, f"streams failed on the transport: {errors}"
@@ -155,6 +161,7 @@ def update_under_load(
         max_tokens=max_tokens,
         queued_tokens=queued_tokens,
         pause_s=pause_s,
+        running_before_pause=running_before_pause,
         in_flight=in_flight,
         queued=queued_results,
         engine_done_at_pause=done_at_pause,
@@ -166,6 +173,83 @@ def update_under_load(
         aborted=sum(c.finish_reason == "abort" for c in everything),
         server_stats=client.stats(),
     )
+
+
+# --------------------------------------------------------------------------------------------- pause checks
+def assert_nothing_lost(r: UpdateUnderLoad) -> None:
+    """What every mode promises: the paused engine ran nothing sent while paused, those requests ran
+    after resume entirely on the new version, and every request is counted, by client and server."""
+    assert any(r.running_before_pause.values()), f"every request finished before /pause was sent:\n{r.describe()}"
+    assert r.queued_tokens_before_resume == {rid: 0 for rid in r.queued_tokens_before_resume}, (
+        f"requests sent while paused produced tokens before resume: {r.queued_tokens_before_resume}"
+    )
+    for c in r.queued:
+        assert c.finish_reason == "length" and len(c.token_ids) == r.queued_tokens, (
+            f"queued {c.request_id}: {len(c.token_ids)} tokens, finish {c.finish_reason}\n{r.describe()}"
+        )
+        assert c.versions_seen == {1}, f"queued {c.request_id} ran on versions {c.versions_seen}, expected {{1}}"
+    assert r.sent == r.completed + r.aborted == len(r.in_flight) + len(r.queued), f"requests lost:\n{r.describe()}"
+    stats = r.server_stats
+    assert (stats["submitted"], stats["in_flight"], stats["disconnected"]) == (r.sent, 0, 0), (
+        f"server-side accounting {stats} disagrees with the client's sent={r.sent}"
+    )
+    assert (stats["completed"], stats["aborted"]) == (r.completed, r.aborted), (
+        f"server counted {stats}, client counted completed={r.completed} aborted={r.aborted}"
+    )
+
+
+def assert_abort_semantics(r: UpdateUnderLoad) -> None:
+    """abort: in-flight requests end at the pause with their partial output, finish_reason abort, all
+    on the old version; nothing spans two versions."""
+    assert_nothing_lost(r)
+    assert all(r.running_before_pause.values()), f"requests finished before /pause was sent:\n{r.describe()}"
+    assert all(r.engine_done_at_pause.values()), f"in-flight requests still running after /pause?mode=abort: {r.engine_done_at_pause}"
+    for c in r.in_flight:
+        assert c.finish_reason == "abort", f"{c.request_id}: finish {c.finish_reason}, expected abort\n{r.describe()}"
+        assert 1 <= len(c.token_ids) < r.max_tokens, f"{c.request_id}: {len(c.token_ids)} tokens is not a partial output"
+        assert len(c.token_ids) == r.engine_tokens_at_pause[c.request_id], (
+            f"{c.request_id}: client got {len(c.token_ids)} tokens, engine produced {r.engine_tokens_at_pause[c.request_id]}"
+        )
+    assert not r.spans, f"requests span two versions under abort: {r.spans}"
+    assert (r.aborted, r.completed) == (len(r.in_flight), len(r.queued)), r.describe()
+
+
+def assert_wait_semantics(r: UpdateUnderLoad) -> None:
+    """wait: /pause answers only once in-flight requests finished, whole, on the old version."""
+    assert_nothing_lost(r)
+    assert all(r.engine_done_at_pause.values()), (
+        f"/pause?mode=wait returned while requests were still in flight: done={r.engine_done_at_pause}"
+    )
+    for c in r.in_flight:
+        assert c.finish_reason == "length" and len(c.token_ids) == r.max_tokens, (
+            f"{c.request_id}: {len(c.token_ids)} tokens, finish {c.finish_reason}: wait must let it finish\n{r.describe()}"
+        )
+        assert c.versions_seen == {0}, f"{c.request_id} saw versions {c.versions_seen}; wait must finish it on v0"
+    assert not r.spans, f"requests span two versions under wait: {r.spans}"
+
+
+def assert_keep_semantics(r: UpdateUnderLoad) -> None:
+    """keep: in-flight requests freeze (no token while paused), then continue on the new version: v0
+    for the tokens before the pause, v1 after; every one of them spans the two versions."""
+    assert_nothing_lost(r)
+    assert all(r.running_before_pause.values()), f"requests finished before /pause was sent:\n{r.describe()}"
+    assert not any(r.engine_done_at_pause.values()), f"keep must not end requests: {r.engine_done_at_pause}"
+    assert r.engine_tokens_before_resume == r.engine_tokens_at_pause, (
+        f"frozen requests advanced while paused: at pause {r.engine_tokens_at_pause}, "
+        f"after the push {r.engine_tokens_before_resume}"
+    )
+    for c in r.in_flight:
+        frozen = r.engine_tokens_at_pause[c.request_id]
+        assert c.finish_reason == "length" and len(c.token_ids) == r.max_tokens, f"{c.request_id}: not continued\n{r.describe()}"
+        expected = [0] * frozen + [1] * (r.max_tokens - frozen)
+        assert c.token_versions == expected, (
+            f"{c.request_id}: versions {version_runs(c.token_versions)}, expected v0 x{frozen} (before the pause) "
+            f"then v1 x{r.max_tokens - frozen}"
+        )
+    assert len(r.spans) == len(r.in_flight), f"every in-flight request should span v0 -> v1 under keep; report: {r.spans}"
+
+
+PAUSE_SEMANTICS = {"abort": assert_abort_semantics, "wait": assert_wait_semantics, "keep": assert_keep_semantics}
 
 
 class LoseAnswers(httpx.BaseTransport):
