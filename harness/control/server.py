@@ -292,6 +292,7 @@ class ControlServer:
         self.counters = collections.Counter()  # submitted, completed, aborted, disconnected, commits, ...
         self._ids = itertools.count()
         self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # uvicorn's, once a request arrived
         self.app = self._build_app()
         self.asgi = Guard(self.app, config.token, config.max_body_bytes)
 
@@ -556,6 +557,7 @@ class ControlServer:
             raise ApiError(409, "DuplicateRequestId", f"request id {rid!r} is already in flight")
         req = GenerationRequest(rid, tuple(body.prompt), body.max_tokens or 16, tuple(body.stop_token_ids or ()))
         stream = await self._in_thread(lambda: self.engine.submit(req), self._query_pool)
+        self._loop = asyncio.get_running_loop()
         live = _Live(rid, stream, asyncio.Queue(), int(time.time()))
         self._live[rid] = live
         self.counters["submitted"] += 1
@@ -833,8 +835,12 @@ class ControlServer:
     def close(self) -> None:
         """End every open stream (finish_reason abort) and stop the worker threads."""
         self._closing = True
+        version = self.engine.weight_version
         for live in list(self._live.values()):
             live.closed = True
+            if self._loop is not None and not self._loop.is_closed():  # wake its SSE generator now
+                final = [TokenEvent(live.request_id, live.tokens, None, version, "abort")]
+                self._loop.call_soon_threadsafe(live.queue.put_nowait, final)
         self._control_pool.shutdown(wait=False, cancel_futures=True)
         self._query_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -13,12 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from harness.control.client import ControlClient
-from harness.control.remote import RemoteDeployment
-from harness.control.server import ControlServer, ServerConfig, ServerThread
-from harness.deployment import push
-from harness.engines.reference import ReferenceEngine
-from harness.paths.disk import DiskReceiver, DiskSender
+for _dependency in ("fastapi", "uvicorn", "httpx"):  # the optional `control` extra: without it, skip the suite
+    pytest.importorskip(_dependency)
+
+from harness.control.client import ControlClient  # noqa: E402
+from harness.control.remote import RemoteDeployment  # noqa: E402
+from harness.control.server import ControlServer, ServerConfig, ServerThread  # noqa: E402
+from harness.deployment import push  # noqa: E402
+from harness.engines.reference import ReferenceEngine  # noqa: E402
+from harness.paths.disk import DiskReceiver, DiskSender  # noqa: E402
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -60,12 +60,18 @@ class ConfinesNothing(ControlServer):
 
 @pytest.mark.parametrize(
     ("broken", "mode", "max_tokens"),
-    [(AlwaysKeeps, "abort", 128), (AlwaysKeeps, "wait", 64), (ReturnsBeforeDraining, "wait", 256), (AlwaysAborts, "keep", 128), (StampsNoVersions, "keep", 128)],
+    [(AlwaysKeeps, "abort", 256), (AlwaysKeeps, "wait", 256), (ReturnsBeforeDraining, "wait", 256), (AlwaysAborts, "keep", 256), (StampsNoVersions, "keep", 128)],
     ids=["keeps-on-abort", "keeps-on-wait", "wait-returns-early", "aborts-on-keep", "no-token-versions"],
 )
 def test_pause_checks_fail_a_broken_server(make_served, broken, mode, max_tokens):
+    """Long requests, so the broken pause lands while they run (a request that finished before the
+    pause would meet every mode's promise, and the check could not tell)."""
     served = make_served(server_cls=broken)
     r = update_under_load(served, mode, 1, n_in_flight=2, n_queued=1, max_tokens=max_tokens)
+    if mode == "wait" and all(r.engine_done_at_pause.values()):
+        # the engine finished the requests before the broken pause took its lock: what it did to
+        # running requests is unobservable in this run (see ReferenceEngine's pause latency)
+        pytest.skip(f"the pause landed after the requests finished; nothing to judge:\n{r.describe()}")
     with pytest.raises(AssertionError):
         PAUSE_SEMANTICS[mode](r)
 
