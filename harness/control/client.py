@@ -72,7 +72,9 @@ def error_from_response(resp: httpx.Response) -> WeightSyncError:
     else:
         message = str(body)
     where = f"[HTTP {resp.status_code} from {resp.request.method} {resp.request.url.path}]"
-    named = re.match(r"^\W*([A-Z][A-Za-z]+Error): ", message)  # vLLM relays a worker's "VersionError: ..." as text
+    named = re.match(
+        r"^\W*([A-Z][A-Za-z]+Error): ", message
+    )  # vLLM relays a worker's "VersionError: ..." as text
     if named and not isinstance(getattr(api, type_, None), type):
         type_ = named.group(1)
     cls = getattr(api, type_, None)
@@ -131,13 +133,15 @@ class ControlClient:
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=2.0),
             timeout=httpx.Timeout(timeouts.control, connect=timeouts.connect, write=timeouts.write),
         )
-        self.attempts: list[tuple[str, str]] = []  # (path, outcome) of every attempt: what the retry tests read
+        self.attempts: list[
+            tuple[str, str]
+        ] = []  # (path, outcome) of every attempt: what the retry tests read
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> ControlClient:
+    def __enter__(self) -> ControlClient:  # noqa: PYI034 - Self needs Python 3.11
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -194,7 +198,9 @@ class ControlClient:
             except _NOT_SENT as exc:
                 self.attempts.append((path, f"not sent: {type(exc).__name__}"))
                 if attempt > self.retries:
-                    raise TransferError(f"{method} {self.base_url}{path}: no connection after {attempt} attempts: {exc!r}") from exc
+                    raise TransferError(
+                        f"{method} {self.base_url}{path}: no connection after {attempt} attempts: {exc!r}"
+                    ) from exc
             except httpx.TransportError as exc:
                 self.attempts.append((path, f"unknown: {type(exc).__name__}"))
                 if not (repeatable or dedupes) or attempt > self.retries:
@@ -223,7 +229,9 @@ class ControlClient:
 
     # ------------------------------------------------------------------ four phases
     def init_weight_transfer_engine(self, init_info: JSON) -> JSON:
-        return self._json(self._call("POST", "/init_weight_transfer_engine", json_body={"init_info": init_info}, keyed=True))
+        return self._json(
+            self._call("POST", "/init_weight_transfer_engine", json_body={"init_info": init_info}, keyed=True)
+        )
 
     def start_weight_update(self) -> JSON:
         return self._json(self._call("POST", "/start_weight_update", keyed=True))
@@ -251,7 +259,11 @@ class ControlClient:
                     return self._finish_again(version, body, exc)
                 raise
             self.attempts.append(("/finish_weight_update", "recognised: already committed"))
-            return {"message": "Weight update finished", "weight_version": str(version), "already_committed": True}
+            return {
+                "message": "Weight update finished",
+                "weight_version": str(version),
+                "already_committed": True,
+            }
 
     def _finish_again(self, version: int | str, body: JSON, first: Exception) -> JSON:
         """The first finish's outcome is unknown and the server does not serve `version` yet: repeat it.
@@ -263,7 +275,11 @@ class ControlClient:
             except (AmbiguousResultError, WeightSyncError) as exc:
                 if self._serves(version):
                     self.attempts.append(("/finish_weight_update", "recognised: already committed"))
-                    return {"message": "Weight update finished", "weight_version": str(version), "already_committed": True}
+                    return {
+                        "message": "Weight update finished",
+                        "weight_version": str(version),
+                        "already_committed": True,
+                    }
                 if not isinstance(exc, AmbiguousResultError):
                     raise
         raise first
@@ -287,7 +303,9 @@ class ControlClient:
         params = {"mode": mode}
         if clear_cache is not None:
             params["clear_cache"] = "true" if clear_cache else "false"
-        resp = self._call("POST", "/pause", params=params, read_timeout=self.timeouts.pause, repeatable=True, keyed=True)
+        resp = self._call(
+            "POST", "/pause", params=params, read_timeout=self.timeouts.pause, repeatable=True, keyed=True
+        )
         return self._json(resp)
 
     def resume(self) -> JSON:
@@ -298,7 +316,11 @@ class ControlClient:
 
     def abort_requests(self, request_ids: Sequence[str] | None = None) -> int:
         body = {"request_ids": list(request_ids)} if request_ids else None
-        return int(self._json(self._call("POST", "/abort_requests", json_body=body, repeatable=True)).get("aborted", 0))
+        return int(
+            self._json(self._call("POST", "/abort_requests", json_body=body, repeatable=True)).get(
+                "aborted", 0
+            )
+        )
 
     def weight_info(self) -> JSON:
         return self._json(self._call("GET", "/weight_info", repeatable=True))
@@ -308,12 +330,23 @@ class ControlClient:
 
     def update_weight_version(self, new_version: str) -> JSON:
         return self._json(
-            self._call("POST", "/update_weight_version", json_body={"new_version": new_version}, repeatable=True, keyed=True)
+            self._call(
+                "POST",
+                "/update_weight_version",
+                json_body={"new_version": new_version},
+                repeatable=True,
+                keyed=True,
+            )
         )
 
     def reset_prefix_cache(self) -> bool:
         """False when the server says it could not (vLLM 0.32: blocks still held by running requests)."""
-        return self._json(self._call("POST", "/reset_prefix_cache", repeatable=True, keyed=True)).get("success", True) is not False
+        return (
+            self._json(self._call("POST", "/reset_prefix_cache", repeatable=True, keyed=True)).get(
+                "success", True
+            )
+            is not False
+        )
 
     def weight_spec(self) -> JSON:
         return self._json(self._call("GET", "/weight_spec", repeatable=True))
@@ -341,7 +374,10 @@ class ControlClient:
     def complete(self, request: GenerationRequest) -> Completion:
         """A non-streaming completion (not retried: a repeat would generate twice)."""
         resp = self._call(
-            "POST", "/v1/completions", json_body=self._completion_body(request, False), read_timeout=self.timeouts.stream_idle
+            "POST",
+            "/v1/completions",
+            json_body=self._completion_body(request, False),
+            read_timeout=self.timeouts.stream_idle,
         )
         choice = resp.json()["choices"][0]
         tokens = list(choice.get("token_ids") or [])
@@ -388,7 +424,9 @@ class RemoteStream(RequestStream):
         if self.error is not None and (self.status is None or self.status >= 400):
             if isinstance(self.error, WeightSyncError):
                 raise self.error
-            raise TransferError(f"request {self.request.request_id!r} was not accepted: {self.error!r}") from self.error
+            raise TransferError(
+                f"request {self.request.request_id!r} was not accepted: {self.error!r}"
+            ) from self.error
 
     def _finish(self, index: int, version: int) -> None:
         if not self.done:
@@ -399,12 +437,12 @@ class RemoteStream(RequestStream):
         rid = self.request.request_id
         index, version = 0, UNKNOWN_VERSION
         try:
-            with c._http.stream(  # noqa: SLF001
+            with c._http.stream(
                 "POST",
                 "/v1/completions",
-                json=c._completion_body(self.request, True),  # noqa: SLF001
-                headers=c._headers,  # noqa: SLF001
-                timeout=c._timeout(c.timeouts.stream_idle),  # noqa: SLF001
+                json=c._completion_body(self.request, True),
+                headers=c._headers,
+                timeout=c._timeout(c.timeouts.stream_idle),
             ) as resp:
                 self.status = resp.status_code
                 if resp.status_code >= 400:

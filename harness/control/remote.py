@@ -102,7 +102,9 @@ class RemoteEngine(Engine):
         return self._oracle()
 
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        raise EngineStateError("a remote engine commits only through its receiver's lifecycle (finish_weight_update)")
+        raise EngineStateError(
+            "a remote engine commits only through its receiver's lifecycle (finish_weight_update)"
+        )
 
     def reset_prefix_cache(self) -> None:
         self.client.reset_prefix_cache()

@@ -84,7 +84,9 @@ def parse_version(value: int | str | None) -> tuple[int | None, str | None]:
         return value, None
     if value.isdigit():
         if not _CANONICAL_INT_RE.match(value) or int(value) > MAX_VERSION:
-            raise BadRequest(f"weight_version {value!r}: a numeric version must be canonical and in 1..{MAX_VERSION}")
+            raise BadRequest(
+                f"weight_version {value!r}: a numeric version must be canonical and in 1..{MAX_VERSION}"
+            )
         return int(value), None
     if not re.match(VERSION_LABEL_PATTERN, value):
         raise BadRequest(f"weight_version {value[:80]!r} does not match {VERSION_LABEL_PATTERN}")
@@ -104,8 +106,10 @@ def parse_query_bool(name: str, raw: str | None, default: bool) -> bool:
 
 
 # --------------------------------------------------------------------------------------------- paths
-_PATH_KEY_RE = re.compile(r"(^|_)(path|paths|root|dir|dirs|directory|file|files|filename|filenames)$", re.I)
-_HOST_KEY_RE = re.compile(r"(^|_)(addr|address|host|hostname)$", re.I)
+_PATH_KEY_RE = re.compile(
+    r"(^|_)(path|paths|root|dir|dirs|directory|file|files|filename|filenames)$", re.IGNORECASE
+)
+_HOST_KEY_RE = re.compile(r"(^|_)(addr|address|host|hostname)$", re.IGNORECASE)
 
 
 def _looks_like_path(text: str) -> bool:
@@ -120,7 +124,9 @@ def _confine_one(where: str, text: Any, allowed: Sequence[Path]) -> None:
     if not os.path.isabs(text):
         raise BadRequest(f"{where}={text[:200]!r} must be an absolute path")
     if not allowed:
-        raise BadRequest(f"{where}={text[:200]!r}: this server accepts no file paths (no allowed directory set)")
+        raise BadRequest(
+            f"{where}={text[:200]!r}: this server accepts no file paths (no allowed directory set)"
+        )
     real = Path(os.path.realpath(text))  # symlinks resolved: a link out of the directory is outside it
     if not any(real == a or real.is_relative_to(a) for a in allowed):
         raise BadRequest(
@@ -161,7 +167,9 @@ def confine_paths(
             _confine_one(where, item, allowed)
         elif key is not None and _HOST_KEY_RE.search(key):
             if not isinstance(item, str) or item not in hosts:
-                raise BadRequest(f"{where}={str(item)[:100]!r} is not an allowed peer address {sorted(hosts)}")
+                raise BadRequest(
+                    f"{where}={str(item)[:100]!r} is not an allowed peer address {sorted(hosts)}"
+                )
         elif isinstance(item, str) and _looks_like_path(item):
             _confine_one(where, item, allowed)
 

@@ -164,7 +164,10 @@ class Guard:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ]
                 + (headers or []),
             }
         )
@@ -181,7 +184,11 @@ class Guard:
         headers = scope.get("headers", [])
         if scope["method"] not in self.SAFE_METHODS and not self._authorized(headers):
             await self._reply(
-                send, 401, "Unauthorized", "missing or invalid bearer token", [(b"www-authenticate", b"Bearer")]
+                send,
+                401,
+                "Unauthorized",
+                "missing or invalid bearer token",
+                [(b"www-authenticate", b"Bearer")],
             )
             return
         lengths = [v for k, v in headers if k.lower() == b"content-length"]
@@ -191,7 +198,10 @@ class Guard:
                 return
             if int(lengths[0]) > self.max_body_bytes:
                 await self._reply(
-                    send, 413, "PayloadTooLarge", f"body of {int(lengths[0])} bytes > limit {self.max_body_bytes}"
+                    send,
+                    413,
+                    "PayloadTooLarge",
+                    f"body of {int(lengths[0])} bytes > limit {self.max_body_bytes}",
                 )
                 return
         chunks, size = [], 0
@@ -202,7 +212,9 @@ class Guard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._reply(send, 413, "PayloadTooLarge", f"body larger than the limit {self.max_body_bytes}")
+                await self._reply(
+                    send, 413, "PayloadTooLarge", f"body larger than the limit {self.max_body_bytes}"
+                )
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -238,7 +250,9 @@ class IdempotencyCache:
         entry = self._entries.get(key)
         if entry is not None:
             if entry[0] != fingerprint:
-                raise ApiError(422, "IdempotencyKeyReused", f"Idempotency-Key {key!r} was used for another request")
+                raise ApiError(
+                    422, "IdempotencyKeyReused", f"Idempotency-Key {key!r} was used for another request"
+                )
             self._entries.move_to_end(key)
             self.replays += 1
             return await asyncio.shield(entry[1])
@@ -314,9 +328,11 @@ class ControlServer:
         params = request.query_params
         unknown = sorted(set(params.keys()) - set(allowed))
         if unknown:
-            raise ApiError(422, "ValidationError", f"unknown query parameter(s) {unknown[:5]}; allowed: {list(allowed)}")
+            raise ApiError(
+                422, "ValidationError", f"unknown query parameter(s) {unknown[:5]}; allowed: {list(allowed)}"
+            )
         out = {}
-        for k in params.keys():
+        for k in params:
             values = params.getlist(k)
             if len(values) != 1:
                 raise ApiError(422, "ValidationError", f"query parameter {k!r} given {len(values)} times")
@@ -352,10 +368,14 @@ class ControlServer:
             status, payload = await run()
         else:
             if not schemas.IDEMPOTENCY_KEY_RE.match(key):
-                raise ApiError(422, "ValidationError", f"Idempotency-Key must match {schemas.IDEMPOTENCY_KEY_RE.pattern}")
+                raise ApiError(
+                    422, "ValidationError", f"Idempotency-Key must match {schemas.IDEMPOTENCY_KEY_RE.pattern}"
+                )
             dumped = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
             fingerprint = hashlib.sha256(
-                json.dumps([request.url.path, sorted(request.query_params.multi_items()), dumped], sort_keys=True).encode()
+                json.dumps(
+                    [request.url.path, sorted(request.query_params.multi_items()), dumped], sort_keys=True
+                ).encode()
             ).hexdigest()
             status, payload = await self._idempotency.run(key, fingerprint, run)
         return JSONResponse(payload, status_code=status)
@@ -415,9 +435,15 @@ class ControlServer:
             if version is not None and version == committed and self._staged_version != version:
                 # a retry of a finish that already landed (its answer was lost): recognised, not re-applied
                 self.counters["finish_recognised"] += 1
-                return {"message": "Weight update finished", "weight_version": str(version), "already_committed": True}
+                return {
+                    "message": "Weight update finished",
+                    "weight_version": str(version),
+                    "already_committed": True,
+                }
             if version is not None and version < committed:
-                raise VersionError(f"finish_weight_update({version}) but version {committed} is already committed")
+                raise VersionError(
+                    f"finish_weight_update({version}) but version {committed} is already committed"
+                )
             if self._update_failure is not None:
                 failure = self._update_failure
                 self.receiver.abort_weight_update()
@@ -425,7 +451,9 @@ class ControlServer:
                 raise LifecycleError(f"finish_weight_update after a refused update_weights: {failure}")
             if version is None:
                 if self._staged_version is None:
-                    raise LifecycleError("finish_weight_update with nothing staged; call update_weights first")
+                    raise LifecycleError(
+                        "finish_weight_update with nothing staged; call update_weights first"
+                    )
                 version = self._staged_version
             try:
                 self.receiver.finish_weight_update(version)
@@ -437,7 +465,11 @@ class ControlServer:
             self._updating, self._staged_version = False, None
             self._label = label
             self.counters["commits"] += 1
-        return {"message": "Weight update finished", "weight_version": label or str(version), "already_committed": False}
+        return {
+            "message": "Weight update finished",
+            "weight_version": label or str(version),
+            "already_committed": False,
+        }
 
     def _abort_update(self) -> dict[str, Any]:
         with self._state_lock:
@@ -520,7 +552,11 @@ class ControlServer:
 
     def _usage(self, live: _Live) -> dict[str, int]:
         n_prompt = len(live.stream.request.prompt_token_ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": live.tokens, "total_tokens": n_prompt + live.tokens}
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": live.tokens,
+            "total_tokens": n_prompt + live.tokens,
+        }
 
     def _settle(self, live: _Live, outcome: str) -> None:
         if live.outcome is None:
@@ -551,11 +587,17 @@ class ControlServer:
         if self._closing:
             raise ApiError(503, "ServiceUnavailable", "the server is shutting down")
         if len(self._live) >= self.config.max_inflight_requests:
-            raise ApiError(429, "TooManyRequests", f"{len(self._live)} requests in flight (limit {self.config.max_inflight_requests})")
+            raise ApiError(
+                429,
+                "TooManyRequests",
+                f"{len(self._live)} requests in flight (limit {self.config.max_inflight_requests})",
+            )
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         if rid in self._live:
             raise ApiError(409, "DuplicateRequestId", f"request id {rid!r} is already in flight")
-        req = GenerationRequest(rid, tuple(body.prompt), body.max_tokens or 16, tuple(body.stop_token_ids or ()))
+        req = GenerationRequest(
+            rid, tuple(body.prompt), body.max_tokens or 16, tuple(body.stop_token_ids or ())
+        )
         stream = await self._in_thread(lambda: self.engine.submit(req), self._query_pool)
         self._loop = asyncio.get_running_loop()
         live = _Live(rid, stream, asyncio.Queue(), int(time.time()))
@@ -599,7 +641,9 @@ class ControlServer:
                 self._settle(live, finish or "disconnected")
 
         return StreamingResponse(
-            sse(), media_type="text/event-stream", headers={"x-request-id": live.request_id, "cache-control": "no-cache"}
+            sse(),
+            media_type="text/event-stream",
+            headers={"x-request-id": live.request_id, "cache-control": "no-cache"},
         )
 
     async def _abort_requests(self, body: schemas.AbortRequestsBody) -> dict[str, Any]:
@@ -662,7 +706,9 @@ class ControlServer:
 
         @app.exception_handler(RequestValidationError)
         async def _validation(request: Request, exc: RequestValidationError):
-            return JSONResponse(ApiError(422, "ValidationError", _validation_message(exc)).payload(), status_code=422)
+            return JSONResponse(
+                ApiError(422, "ValidationError", _validation_message(exc)).payload(), status_code=422
+            )
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException):
@@ -675,7 +721,9 @@ class ControlServer:
         @app.exception_handler(Exception)
         async def _crash(request: Request, exc: Exception):
             log.exception("unhandled error on %s %s", request.method, request.url.path)
-            return JSONResponse(ApiError(500, type(exc).__name__, "internal error").payload(), status_code=500)
+            return JSONResponse(
+                ApiError(500, type(exc).__name__, "internal error").payload(), status_code=500
+            )
 
         # ---------------------------------------------------------- pause / resume
         @app.post("/pause")
@@ -684,9 +732,15 @@ class ControlServer:
             body = await srv._body(request, schemas.EmptyBody, required=False)
             mode = q.get("mode", "abort")
             if mode not in schemas.PAUSE_MODES:
-                raise ApiError(422, "ValidationError", f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}")
-            clear_cache = schemas.parse_query_bool("clear_cache", q.get("clear_cache"), True)  # vLLM's default
-            if schemas.parse_query_bool("wait_for_inflight_requests", q.get("wait_for_inflight_requests"), False):
+                raise ApiError(
+                    422, "ValidationError", f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}"
+                )
+            clear_cache = schemas.parse_query_bool(
+                "clear_cache", q.get("clear_cache"), True
+            )  # vLLM's default
+            if schemas.parse_query_bool(
+                "wait_for_inflight_requests", q.get("wait_for_inflight_requests"), False
+            ):
                 mode = "wait" if mode == "abort" else mode  # vLLM's deprecated spelling of mode=wait
             return await srv._mutation(request, body, lambda: srv._pause(mode, clear_cache))
 
@@ -815,15 +869,25 @@ class ControlServer:
                 return app.openapi_schema
             from fastapi.openapi.utils import get_openapi
 
-            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            doc = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
             components = doc.setdefault("components", {}).setdefault("schemas", {})
             for path, model in bodies.items():
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(schema.pop("$defs", {}))
                 components[model.__name__] = schema
                 doc["paths"][path]["post"]["requestBody"] = {
-                    "required": path in ("/init_weight_transfer_engine", "/update_weights", "/update_weight_version", "/v1/completions"),
-                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                    "required": path
+                    in (
+                        "/init_weight_transfer_engine",
+                        "/update_weights",
+                        "/update_weight_version",
+                        "/v1/completions",
+                    ),
+                    "content": {
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+                    },
                 }
             doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             app.openapi_schema = doc
@@ -899,7 +963,7 @@ class ServerThread:
         self._uvicorn.should_exit = True
         self._thread.join(timeout)
 
-    def __enter__(self) -> ServerThread:
+    def __enter__(self) -> ServerThread:  # noqa: PYI034 - Self needs Python 3.11
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -933,19 +997,29 @@ def main(argv: list[str] | None = None) -> int:
     from harness.registry import load_object, make_engine
 
     ap = argparse.ArgumentParser(prog="python -m harness.control.server", description=main.__doc__)
-    ap.add_argument("--engine", default="reference", help="engine: reference, reference-tied or pkg.module:factory")
+    ap.add_argument(
+        "--engine", default="reference", help="engine: reference, reference-tied or pkg.module:factory"
+    )
     ap.add_argument("--path", default="disk", help=f"receiver: {sorted(RECEIVERS)} or pkg.module:Class")
     ap.add_argument("--host", default=DEFAULT_HOST)
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--allowed-dir", action="append", default=[], help="directory update paths may name (repeat)")
-    ap.add_argument("--allowed-host", action="append", default=[], help="peer address init_info may name (repeat)")
+    ap.add_argument(
+        "--allowed-dir", action="append", default=[], help="directory update paths may name (repeat)"
+    )
+    ap.add_argument(
+        "--allowed-host", action="append", default=[], help="peer address init_info may name (repeat)"
+    )
     ap.add_argument("--init-override", default="{}", help="JSON merged over every init_info (e.g. this rank)")
     ap.add_argument("--token-file", help="file holding the bearer token")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
-    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("WEIGHTSYNC_CONTROL_TOKEN")
+    token = (
+        Path(args.token_file).read_text().strip()
+        if args.token_file
+        else os.environ.get("WEIGHTSYNC_CONTROL_TOKEN")
+    )
     if not token:
         ap.error("no token: set WEIGHTSYNC_CONTROL_TOKEN or pass --token-file")
     engine = make_engine(args.engine, None)
@@ -962,8 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     thread = ServerThread(ControlServer(engine, receiver, cfg), log_level=args.log_level).start()
     print(f"weightsync control server listening on {thread.url}", flush=True)
     try:
-        while thread._thread.is_alive():  # noqa: SLF001
-            thread._thread.join(1.0)  # noqa: SLF001
+        while thread._thread.is_alive():
+            thread._thread.join(1.0)
     except KeyboardInterrupt:
         pass
     finally:

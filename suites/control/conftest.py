@@ -13,15 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-for _dependency in ("fastapi", "uvicorn", "httpx"):  # the optional `control` extra: without it, skip the suite
+# the optional `control` extra; without it the suite is skipped, not broken
+for _dependency in ("fastapi", "uvicorn", "httpx"):
     pytest.importorskip(_dependency)
 
-from harness.control.client import ControlClient  # noqa: E402
-from harness.control.remote import RemoteDeployment  # noqa: E402
-from harness.control.server import ControlServer, ServerConfig, ServerThread  # noqa: E402
-from harness.deployment import push  # noqa: E402
-from harness.engines.reference import ReferenceEngine  # noqa: E402
-from harness.paths.disk import DiskReceiver, DiskSender  # noqa: E402
+from harness.control.client import ControlClient
+from harness.control.remote import RemoteDeployment
+from harness.control.server import ControlServer, ServerConfig, ServerThread
+from harness.deployment import push
+from harness.engines.reference import ReferenceEngine
+from harness.paths.disk import DiskReceiver, DiskSender
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

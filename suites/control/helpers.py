@@ -74,7 +74,9 @@ def span_report(completions: Iterable[Completion]) -> list[str]:
     for c in completions:
         runs = version_runs(c.token_versions)
         if len(runs) > 1:
-            lines.append(f"{c.request_id}: " + " -> ".join(f"v{v} x{n}" for v, n in runs) + f" ({c.finish_reason})")
+            lines.append(
+                f"{c.request_id}: " + " -> ".join(f"v{v} x{n}" for v, n in runs) + f" ({c.finish_reason})"
+            )
     return lines
 
 
@@ -105,8 +107,10 @@ class UpdateUnderLoad:
 
     def describe(self) -> str:
         rows = [
-            f"mode={self.mode} sent={self.sent} completed={self.completed} aborted={self.aborted} "
-            f"/pause answered in {self.pause_s * 1000:.1f} ms"
+            (
+                f"mode={self.mode} sent={self.sent} completed={self.completed} aborted={self.aborted} "
+                f"/pause answered in {self.pause_s * 1000:.1f} ms"
+            )
         ]
         for c in [*self.in_flight, *self.queued]:
             runs = " -> ".join(f"v{v} x{n}" for v, n in version_runs(c.token_versions)) or "no tokens"
@@ -179,7 +183,9 @@ def update_under_load(
 def assert_nothing_lost(r: UpdateUnderLoad) -> None:
     """What every mode promises: the paused engine ran nothing sent while paused, those requests ran
     after resume entirely on the new version, and every request is counted, by client and server."""
-    assert any(r.running_before_pause.values()), f"every request finished before /pause was sent:\n{r.describe()}"
+    assert any(r.running_before_pause.values()), (
+        f"every request finished before /pause was sent:\n{r.describe()}"
+    )
     assert r.queued_tokens_before_resume == {rid: 0 for rid in r.queued_tokens_before_resume}, (
         f"requests sent while paused produced tokens before resume: {r.queued_tokens_before_resume}"
     )
@@ -187,8 +193,12 @@ def assert_nothing_lost(r: UpdateUnderLoad) -> None:
         assert c.finish_reason == "length" and len(c.token_ids) == r.queued_tokens, (
             f"queued {c.request_id}: {len(c.token_ids)} tokens, finish {c.finish_reason}\n{r.describe()}"
         )
-        assert c.versions_seen == {1}, f"queued {c.request_id} ran on versions {c.versions_seen}, expected {{1}}"
-    assert r.sent == r.completed + r.aborted == len(r.in_flight) + len(r.queued), f"requests lost:\n{r.describe()}"
+        assert c.versions_seen == {1}, (
+            f"queued {c.request_id} ran on versions {c.versions_seen}, expected {{1}}"
+        )
+    assert r.sent == r.completed + r.aborted == len(r.in_flight) + len(r.queued), (
+        f"requests lost:\n{r.describe()}"
+    )
     stats = r.server_stats
     assert (stats["submitted"], stats["in_flight"], stats["disconnected"]) == (r.sent, 0, 0), (
         f"server-side accounting {stats} disagrees with the client's sent={r.sent}"
@@ -203,10 +213,16 @@ def assert_abort_semantics(r: UpdateUnderLoad) -> None:
     on the old version; nothing spans two versions."""
     assert_nothing_lost(r)
     assert all(r.running_before_pause.values()), f"requests finished before /pause was sent:\n{r.describe()}"
-    assert all(r.engine_done_at_pause.values()), f"in-flight requests still running after /pause?mode=abort: {r.engine_done_at_pause}"
+    assert all(r.engine_done_at_pause.values()), (
+        f"in-flight requests still running after /pause?mode=abort: {r.engine_done_at_pause}"
+    )
     for c in r.in_flight:
-        assert c.finish_reason == "abort", f"{c.request_id}: finish {c.finish_reason}, expected abort\n{r.describe()}"
-        assert 1 <= len(c.token_ids) < r.max_tokens, f"{c.request_id}: {len(c.token_ids)} tokens is not a partial output"
+        assert c.finish_reason == "abort", (
+            f"{c.request_id}: finish {c.finish_reason}, expected abort\n{r.describe()}"
+        )
+        assert 1 <= len(c.token_ids) < r.max_tokens, (
+            f"{c.request_id}: {len(c.token_ids)} tokens is not a partial output"
+        )
         assert len(c.token_ids) == r.engine_tokens_at_pause[c.request_id], (
             f"{c.request_id}: client got {len(c.token_ids)} tokens, engine produced {r.engine_tokens_at_pause[c.request_id]}"
         )
@@ -224,7 +240,9 @@ def assert_wait_semantics(r: UpdateUnderLoad) -> None:
         assert c.finish_reason == "length" and len(c.token_ids) == r.max_tokens, (
             f"{c.request_id}: {len(c.token_ids)} tokens, finish {c.finish_reason}: wait must let it finish\n{r.describe()}"
         )
-        assert c.versions_seen == {0}, f"{c.request_id} saw versions {c.versions_seen}; wait must finish it on v0"
+        assert c.versions_seen == {0}, (
+            f"{c.request_id} saw versions {c.versions_seen}; wait must finish it on v0"
+        )
     assert not r.spans, f"requests span two versions under wait: {r.spans}"
 
 
@@ -240,16 +258,24 @@ def assert_keep_semantics(r: UpdateUnderLoad) -> None:
     )
     for c in r.in_flight:
         frozen = r.engine_tokens_at_pause[c.request_id]
-        assert c.finish_reason == "length" and len(c.token_ids) == r.max_tokens, f"{c.request_id}: not continued\n{r.describe()}"
+        assert c.finish_reason == "length" and len(c.token_ids) == r.max_tokens, (
+            f"{c.request_id}: not continued\n{r.describe()}"
+        )
         expected = [0] * frozen + [1] * (r.max_tokens - frozen)
         assert c.token_versions == expected, (
             f"{c.request_id}: versions {version_runs(c.token_versions)}, expected v0 x{frozen} (before the pause) "
             f"then v1 x{r.max_tokens - frozen}"
         )
-    assert len(r.spans) == len(r.in_flight), f"every in-flight request should span v0 -> v1 under keep; report: {r.spans}"
+    assert len(r.spans) == len(r.in_flight), (
+        f"every in-flight request should span v0 -> v1 under keep; report: {r.spans}"
+    )
 
 
-PAUSE_SEMANTICS = {"abort": assert_abort_semantics, "wait": assert_wait_semantics, "keep": assert_keep_semantics}
+PAUSE_SEMANTICS = {
+    "abort": assert_abort_semantics,
+    "wait": assert_wait_semantics,
+    "keep": assert_keep_semantics,
+}
 
 
 class LoseAnswers(httpx.BaseTransport):

@@ -51,7 +51,9 @@ class Load:
         self.completions = []
         self.errors: list[str] = []
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(n_clients)]
+        self._threads = [
+            threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(n_clients)
+        ]
 
     def _worker(self, i: int) -> None:
         while not self._stop.is_set():
@@ -90,7 +92,9 @@ class Load:
     def wait_for(self, total: int, timeout: float = 300.0) -> None:
         with self.cond:
             ok = self.cond.wait_for(lambda: self.tokens >= total or bool(self.errors), timeout)
-        assert ok and not self.errors, f"load stalled at {self.tokens}/{total} tokens; errors {self.errors[:3]}"
+        assert ok and not self.errors, (
+            f"load stalled at {self.tokens}/{total} tokens; errors {self.errors[:3]}"
+        )
 
 
 def tokens_per_s(load: Load, n_tokens: int) -> float:
@@ -116,7 +120,11 @@ class Figures:
     @staticmethod
     def percentiles_ms(samples: list[float]) -> dict[str, float]:
         q = statistics.quantiles(sorted(samples), n=100, method="inclusive")
-        return {"p50": round(statistics.median(samples) * 1e3, 1), "p99": round(q[98] * 1e3, 1), "max": round(max(samples) * 1e3, 1)}
+        return {
+            "p50": round(statistics.median(samples) * 1e3, 1),
+            "p99": round(q[98] * 1e3, 1),
+            "max": round(max(samples) * 1e3, 1),
+        }
 
     def summary(self) -> dict:
         return {
@@ -126,7 +134,12 @@ class Figures:
             "pause_to_resume_ms": self.percentiles_ms(self.pause_to_resume_s),
             "phase_ms": {name: self.percentiles_ms(v) for name, v in self.phases_s.items()},
             "tokens_per_s": {k: round(v, 1) for k, v in self.tokens_per_s.items()},
-            "requests": {"sent": self.sent, "completed": self.completed, "aborted": self.aborted, "spanning_versions": self.spanning},
+            "requests": {
+                "sent": self.sent,
+                "completed": self.completed,
+                "aborted": self.aborted,
+                "spanning_versions": self.spanning,
+            },
             "wrong": self.wrong,
             "problems": self.problems[:10],
         }
@@ -150,7 +163,11 @@ def run_load(served, mode: str) -> Figures:
             served.client.resume()
             resumed = time.perf_counter()
             latencies.append(resumed - began)
-            for name, seconds in (("pause", paused - began), ("push", pushed - paused), ("resume", resumed - pushed)):
+            for name, seconds in (
+                ("pause", paused - began),
+                ("push", pushed - paused),
+                ("resume", resumed - pushed),
+            ):
                 phases[name].append(seconds)
         during = (load.count() - start) / (time.perf_counter() - t0)
         after = tokens_per_s(load, PHASE_TOKENS)
@@ -178,8 +195,16 @@ def run_load(served, mode: str) -> Figures:
         problems.append(f"engine ends on version {served.engine.weight_version}, expected {N_UPDATES}")
     assert_bitwise_equal(last, served.engine.read_weights(), f"after {N_UPDATES} updates under load ({mode})")
     return Figures(
-        mode, latencies, phases, {"before": before, "during": during, "after": after}, load.sent, completed, aborted,
-        spanning, len(problems), problems,
+        mode,
+        latencies,
+        phases,
+        {"before": before, "during": during, "after": after},
+        load.sent,
+        completed,
+        aborted,
+        spanning,
+        len(problems),
+        problems,
     )
 
 
@@ -194,11 +219,16 @@ def write_report(figures: Figures) -> None:
                 "cpus": os.cpu_count(),
                 "python": sys.version.split()[0],
                 "torch": torch.__version__,
-                "loadavg_1m_at_write": round(os.getloadavg()[0], 2),  # the machine is shared: context for the figures
+                "loadavg_1m_at_write": round(
+                    os.getloadavg()[0], 2
+                ),  # the machine is shared: context for the figures
             },
         }
     )
-    data.setdefault("modes", {})[figures.mode] = {**figures.summary(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    data.setdefault("modes", {})[figures.mode] = {
+        **figures.summary(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(json.dumps(data, indent=2, sort_keys=True))
 

@@ -19,7 +19,6 @@ import re
 import string
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,7 +52,10 @@ FIELDS = {
     "/abort_requests": {"request_ids"},
     "/v1/completions": set(schemas.CompletionBody.model_fields),
 }
-QUERY = {"/pause": {"mode", "clear_cache", "wait_for_inflight_requests"}, "/reset_prefix_cache": {"reset_running_requests", "reset_external"}}
+QUERY = {
+    "/pause": {"mode", "clear_cache", "wait_for_inflight_requests"},
+    "/reset_prefix_cache": {"reset_running_requests", "reset_external"},
+}
 KEYED = [
     "/pause", "/resume", "/start_weight_update", "/abort_weight_update", "/shutdown_weight_transfer_engine",
     "/update_weight_version", "/reset_prefix_cache",
@@ -87,20 +89,51 @@ def _dumps(value) -> bytes:
     return json.dumps(value, allow_nan=False).encode()
 
 
-scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=24)
-json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4), max_leaves=16)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=24)
+)
+json_values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+    max_leaves=16,
+)
 json_objects = st.dictionaries(st.text(max_size=10), json_values, max_size=5)
 post_routes = st.sampled_from(POST_ROUTES)
 hostile_paths = st.sampled_from(
-    ["/", "/etc", "/etc/passwd", "~", "~/x", "..", "../../etc", "relative/dir", "/allowed/../etc", "file:///etc", "/tmp/x\x00y", "\\\\server\\share"]
+    [
+        "/",
+        "/etc",
+        "/etc/passwd",
+        "~",
+        "~/x",
+        "..",
+        "../../etc",
+        "relative/dir",
+        "/allowed/../etc",
+        "file:///etc",
+        "/tmp/x\x00y",
+        "\\\\server\\share",
+    ]
 ) | st.text(max_size=30).map(lambda t: "/" + t.lstrip("/") if t else "/")
 bad_labels = st.one_of(
     st.text(max_size=80).filter(lambda s: not re.fullmatch(schemas.VERSION_LABEL_PATTERN, s)),
-    st.integers(), st.booleans(), st.floats(allow_nan=False, allow_infinity=False), st.lists(scalars, max_size=2), st.none(),
+    st.integers(),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(scalars, max_size=2),
+    st.none(),
 )
 bad_versions = st.one_of(
-    st.integers(max_value=0), st.integers(min_value=2**63), st.booleans(), st.floats(allow_nan=False, allow_infinity=False),
-    st.lists(scalars, max_size=2), st.dictionaries(st.text(max_size=3), scalars, max_size=2),
+    st.integers(max_value=0),
+    st.integers(min_value=2**63),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(scalars, max_size=2),
+    st.dictionaries(st.text(max_size=3), scalars, max_size=2),
     st.text(max_size=80).filter(lambda s: not re.fullmatch(schemas.VERSION_LABEL_PATTERN, s)),
     st.sampled_from(["0", "00", "007", "9223372036854775808", "99999999999999999999"]),
 )
@@ -134,18 +167,46 @@ def wrong_field(draw) -> Probe:
         bad_id = st.text(max_size=140).filter(lambda s: not re.fullmatch(schemas.REQUEST_ID_PATTERN, s))
         body["request_ids"] = draw(not_of_type(list, type(None)) | st.lists(bad_id, min_size=1, max_size=3))
     else:
-        field = draw(st.sampled_from(["prompt", "max_tokens", "temperature", "n", "stream", "stop_token_ids", "request_id", "model", "stream_options"]))
+        field = draw(
+            st.sampled_from(
+                [
+                    "prompt",
+                    "max_tokens",
+                    "temperature",
+                    "n",
+                    "stream",
+                    "stop_token_ids",
+                    "request_id",
+                    "model",
+                    "stream_options",
+                ]
+            )
+        )
         body[field] = draw(
             {
-                "prompt": not_of_type(list) | st.just([]) | st.lists(st.integers(max_value=-1) | st.integers(min_value=2**31) | st.text(max_size=3), min_size=1, max_size=3),
-                "max_tokens": not_of_type(int, type(None)) | st.integers(max_value=0) | st.integers(min_value=schemas.MAX_NEW_TOKENS + 1),
-                "temperature": not_of_type(int, float, type(None)) | st.floats(min_value=1e-6, allow_nan=False, allow_infinity=False) | st.floats(max_value=-1e-6, allow_nan=False, allow_infinity=False),
+                "prompt": not_of_type(list)
+                | st.just([])
+                | st.lists(
+                    st.integers(max_value=-1) | st.integers(min_value=2**31) | st.text(max_size=3),
+                    min_size=1,
+                    max_size=3,
+                ),
+                "max_tokens": not_of_type(int, type(None))
+                | st.integers(max_value=0)
+                | st.integers(min_value=schemas.MAX_NEW_TOKENS + 1),
+                "temperature": not_of_type(int, float, type(None))
+                | st.floats(min_value=1e-6, allow_nan=False, allow_infinity=False)
+                | st.floats(max_value=-1e-6, allow_nan=False, allow_infinity=False),
                 "n": not_of_type(int) | st.integers().filter(lambda n: n != 1),
                 "stream": not_of_type(bool),
-                "stop_token_ids": not_of_type(list, type(None)) | st.lists(st.integers(max_value=-1), min_size=1, max_size=2),
-                "request_id": not_of_type(str, type(None)) | st.text(max_size=140).filter(lambda s: not re.fullmatch(schemas.REQUEST_ID_PATTERN, s)),
-                "model": not_of_type(str, type(None)) | st.text(min_size=1, max_size=40).filter(lambda s: s != "weightsync"),
-                "stream_options": not_of_type(dict, type(None)) | st.fixed_dictionaries({"include_usage": not_of_type(bool)}),
+                "stop_token_ids": not_of_type(list, type(None))
+                | st.lists(st.integers(max_value=-1), min_size=1, max_size=2),
+                "request_id": not_of_type(str, type(None))
+                | st.text(max_size=140).filter(lambda s: not re.fullmatch(schemas.REQUEST_ID_PATTERN, s)),
+                "model": not_of_type(str, type(None))
+                | st.text(min_size=1, max_size=40).filter(lambda s: s != "weightsync"),
+                "stream_options": not_of_type(dict, type(None))
+                | st.fixed_dictionaries({"include_usage": not_of_type(bool)}),
             }[field]
         )
     return Probe("wrong field", "POST", path, _dumps(body))
@@ -155,7 +216,13 @@ def wrong_field(draw) -> Probe:
 def extra_field(draw) -> Probe:
     path = draw(post_routes)
     key = draw(st.text(min_size=1, max_size=20).filter(lambda k: k not in FIELDS.get(path, ())))
-    return Probe("extra field", "POST", path, _dumps({**VALID_BODY[path], key: draw(json_values)}), expect=frozenset({422}))
+    return Probe(
+        "extra field",
+        "POST",
+        path,
+        _dumps({**VALID_BODY[path], key: draw(json_values)}),
+        expect=frozenset({422}),
+    )
 
 
 @st.composite
@@ -194,20 +261,36 @@ def bad_query(draw) -> Probe:
     path = draw(st.sampled_from(sorted(QUERY)) | post_routes | st.sampled_from(GET_ROUTES))
     method = "GET" if path in GET_ROUTES else "POST"
     allowed = QUERY.get(path, set())
-    choice = draw(st.sampled_from(["unknown", "mode", "bool", "repeat"]) if path in QUERY else st.just("unknown"))
+    choice = draw(
+        st.sampled_from(["unknown", "mode", "bool", "repeat"]) if path in QUERY else st.just("unknown")
+    )
     if choice == "unknown":
-        params = ((draw(st.text(string.ascii_letters + "_", min_size=1, max_size=12).filter(lambda k: k not in allowed)), draw(st.text(max_size=10))),)
+        params = (
+            (
+                draw(
+                    st.text(string.ascii_letters + "_", min_size=1, max_size=12).filter(
+                        lambda k: k not in allowed
+                    )
+                ),
+                draw(st.text(max_size=10)),
+            ),
+        )
         expect = frozenset({422})
     elif choice == "mode" and path == "/pause":
         params = (("mode", draw(st.text(max_size=12).filter(lambda m: m not in schemas.PAUSE_MODES))),)
         expect = frozenset({422})
     elif choice == "repeat":
-        name = sorted(allowed)[0] if path != "/pause" else "mode"
-        params = ((name, "keep" if path == "/pause" else "true"), (name, "abort" if path == "/pause" else "false"))
+        name = min(allowed) if path != "/pause" else "mode"
+        params = (
+            (name, "keep" if path == "/pause" else "true"),
+            (name, "abort" if path == "/pause" else "false"),
+        )
         expect = frozenset({422})
     else:
         name = draw(st.sampled_from(sorted(allowed - {"mode"})))
-        params = ((name, draw(st.text(max_size=8).filter(lambda b: b.lower() not in ("true", "false", "1", "0")))),)
+        params = (
+            (name, draw(st.text(max_size=8).filter(lambda b: b.lower() not in ("true", "false", "1", "0")))),
+        )
         expect = frozenset({400})
     return Probe("bad query", method, path, params=params, expect=expect)
 
@@ -215,17 +298,40 @@ def bad_query(draw) -> Probe:
 @st.composite
 def bad_auth(draw) -> Probe:
     path = draw(post_routes)
-    header = draw(st.sampled_from(["", "Bearer", "Bearer x", "Basic abc", "bearer"]) | st.text(string.printable.strip(), max_size=40).map(lambda t: "Bearer " + t))
+    header = draw(
+        st.sampled_from(["", "Bearer", "Bearer x", "Basic abc", "bearer"])
+        | st.text(string.printable.strip(), max_size=40).map(lambda t: "Bearer " + t)
+    )
     headers = (("Authorization", header.strip()),) if draw(st.booleans()) else ()
-    return Probe("no or bad token", "POST", path, _dumps(VALID_BODY[path]), headers=headers, auth=False, expect=frozenset({401}))
+    return Probe(
+        "no or bad token",
+        "POST",
+        path,
+        _dumps(VALID_BODY[path]),
+        headers=headers,
+        auth=False,
+        expect=frozenset({401}),
+    )
 
 
 @st.composite
 def bad_idempotency_key(draw) -> Probe:
     path = draw(st.sampled_from(KEYED))
-    key = draw(st.text(string.printable.strip(), max_size=140).filter(lambda k: not schemas.IDEMPOTENCY_KEY_RE.match(k)))
+    key = draw(
+        st.text(string.printable.strip(), max_size=140).filter(
+            lambda k: not schemas.IDEMPOTENCY_KEY_RE.match(k)
+        )
+    )
     params = (("mode", "keep"),) if path == "/pause" else ()
-    return Probe("bad idempotency key", "POST", path, _dumps(VALID_BODY[path]), params=params, headers=(("Idempotency-Key", key),), expect=frozenset({422}))
+    return Probe(
+        "bad idempotency key",
+        "POST",
+        path,
+        _dumps(VALID_BODY[path]),
+        params=params,
+        headers=(("Idempotency-Key", key),),
+        expect=frozenset({422}),
+    )
 
 
 @st.composite
@@ -236,14 +342,22 @@ def hostile_info(draw) -> Probe:
     info = draw(json_objects)
     which = draw(st.sampled_from(["path", "peer", "manifest", "random"]))
     if which == "path":
-        info[draw(st.sampled_from(["root", "path", "checkpoint_dir", "files", "location"]))] = draw(hostile_paths | st.lists(hostile_paths, min_size=1, max_size=2))
+        info[draw(st.sampled_from(["root", "path", "checkpoint_dir", "files", "location"]))] = draw(
+            hostile_paths | st.lists(hostile_paths, min_size=1, max_size=2)
+        )
     elif which == "peer":
-        info["master_addr"] = draw(st.text(max_size=20).filter(lambda h: h not in ("127.0.0.1", "localhost", "::1")))
+        info["master_addr"] = draw(
+            st.text(max_size=20).filter(lambda h: h not in ("127.0.0.1", "localhost", "::1"))
+        )
     elif which == "manifest":
         info["manifest"] = draw(
             json_values
             | st.fixed_dictionaries(
-                {"version": json_values, "bucket_sizes": st.lists(st.integers(-(2**62), 2**62), max_size=3), "entries": st.lists(json_objects, max_size=3)}
+                {
+                    "version": json_values,
+                    "bucket_sizes": st.lists(st.integers(-(2**62), 2**62), max_size=3),
+                    "entries": st.lists(json_objects, max_size=3),
+                }
             )
         )
     if path == "/init_weight_transfer_engine" and "root" not in info and which != "path":
@@ -254,7 +368,13 @@ def hostile_info(draw) -> Probe:
 @st.composite
 def bad_completion_content(draw) -> Probe:
     prompt = draw(st.lists(st.integers(0, 255), max_size=4)) + [draw(st.integers(256, 2**31 - 1))]
-    return Probe("prompt outside the vocab", "POST", "/v1/completions", _dumps({"prompt": draw(st.permutations(prompt)), "max_tokens": 1}), expect=frozenset({400}))
+    return Probe(
+        "prompt outside the vocab",
+        "POST",
+        "/v1/completions",
+        _dumps({"prompt": draw(st.permutations(prompt)), "max_tokens": 1}),
+        expect=frozenset({400}),
+    )
 
 
 @st.composite
@@ -267,8 +387,24 @@ def oversized(draw) -> Probe:
 @st.composite
 def wrong_media_type(draw) -> Probe:
     path = draw(post_routes)
-    ctype = draw(st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/xml"]))
-    return Probe("wrong media type", "POST", path, _dumps(VALID_BODY[path]), headers=(("content-type", ctype),), expect=frozenset({415}))
+    ctype = draw(
+        st.sampled_from(
+            [
+                "text/plain",
+                "application/x-www-form-urlencoded",
+                "multipart/form-data; boundary=x",
+                "application/xml",
+            ]
+        )
+    )
+    return Probe(
+        "wrong media type",
+        "POST",
+        path,
+        _dumps(VALID_BODY[path]),
+        headers=(("content-type", ctype),),
+        expect=frozenset({415}),
+    )
 
 
 @st.composite
@@ -284,8 +420,19 @@ def wrong_route(draw) -> Probe:
 
 
 probes = st.one_of(
-    wrong_field(), extra_field(), not_json(), not_an_object(), deep_nesting(), bad_query(), bad_auth(),
-    bad_idempotency_key(), hostile_info(), bad_completion_content(), oversized(), wrong_media_type(), wrong_route(),
+    wrong_field(),
+    extra_field(),
+    not_json(),
+    not_an_object(),
+    deep_nesting(),
+    bad_query(),
+    bad_auth(),
+    bad_idempotency_key(),
+    hostile_info(),
+    bad_completion_content(),
+    oversized(),
+    wrong_media_type(),
+    wrong_route(),
 )
 
 
@@ -311,19 +458,32 @@ def test_malformed_requests_get_4xx_and_change_nothing(make_served, record_prope
             headers.setdefault("Authorization", f"Bearer {served.token}")
             if probe.content is not None:
                 headers.setdefault("content-type", "application/json")
-        resp = http.request(probe.method, probe.path, content=probe.content, params=list(probe.params), headers=headers)
+        resp = http.request(
+            probe.method, probe.path, content=probe.content, params=list(probe.params), headers=headers
+        )
         seen[probe.kind] += 1
         statuses[resp.status_code] += 1
         shown = f"{probe.kind}: {probe.method} {probe.path} params={probe.params} body={(probe.content or b'')[:200]!r}"
-        assert resp.status_code in probe.expect, f"{shown}\n-> {resp.status_code}, expected {sorted(probe.expect)[:6]}: {resp.text[:300]}"
+        assert resp.status_code in probe.expect, (
+            f"{shown}\n-> {resp.status_code}, expected {sorted(probe.expect)[:6]}: {resp.text[:300]}"
+        )
         error = resp.json().get("error", {})
         assert error.get("message"), f"{shown}\n-> {resp.status_code} without a message: {resp.text[:300]}"
         problems = changed_tensors(baseline, served.engine.read_weights())
         assert not problems, f"{shown}\n-> changed the weights: {problems[:3]}"
-        state = (served.engine.weight_version, served.engine.is_paused, served.receiver.state, served.receiver.root)
-        assert state == (0, False, "ready", receiver_root), f"{shown}\n-> changed the engine/receiver state to {state}"
+        state = (
+            served.engine.weight_version,
+            served.engine.is_paused,
+            served.receiver.state,
+            served.receiver.root,
+        )
+        assert state == (0, False, "ready", receiver_root), (
+            f"{shown}\n-> changed the engine/receiver state to {state}"
+        )
         info = served.server.weight_info()
-        assert (info["weight_version"], info["update_in_progress"]) == ("0", False), f"{shown}\n-> weight_info {info}"
+        assert (info["weight_version"], info["update_in_progress"]) == ("0", False), (
+            f"{shown}\n-> weight_info {info}"
+        )
         assert served.server.counters["submitted"] == 0, f"{shown}\n-> a completion reached the engine"
 
     try:
@@ -333,8 +493,12 @@ def test_malformed_requests_get_4xx_and_change_nothing(make_served, record_prope
         record_property("fuzz_requests", sum(seen.values()))
         record_property("fuzz_kinds", dict(seen))
         record_property("fuzz_statuses", dict(statuses))
-        print(f"fuzz: {sum(seen.values())} requests; kinds {dict(seen)}; statuses {dict(sorted(statuses.items()))}")
-    assert sum(seen.values()) >= min(1000, FUZZ_EXAMPLES), f"only {sum(seen.values())} malformed requests were sent: {dict(seen)}"
+        print(
+            f"fuzz: {sum(seen.values())} requests; kinds {dict(seen)}; statuses {dict(sorted(statuses.items()))}"
+        )
+    assert sum(seen.values()) >= min(1000, FUZZ_EXAMPLES), (
+        f"only {sum(seen.values())} malformed requests were sent: {dict(seen)}"
+    )
     assert not [s for s in statuses if s >= 500], f"5xx answers: {dict(statuses)}"
     w = weights_for(served.engine, seed=1)
     served.push(1, w)  # and the server still does its job

@@ -48,7 +48,9 @@ def test_push_over_http_lands_bit_for_bit_and_serves_the_new_version(served):
         served.push(version, w)
         assert_bitwise_equal(w, served.engine.read_weights(), f"after pushing version {version} over HTTP")
         info = served.client.weight_info()
-        assert (info["weight_version"], info["engine_version"]) == (str(version), version), f"weight_info {info}"
+        assert (info["weight_version"], info["engine_version"]) == (str(version), version), (
+            f"weight_info {info}"
+        )
     fresh = ReferenceEngine()
     try:
         fresh.commit_weights(weights_for(fresh, seed=2), 2)
@@ -57,7 +59,9 @@ def test_push_over_http_lands_bit_for_bit_and_serves_the_new_version(served):
     finally:
         fresh.shutdown()
     got = served.client.complete(GenerationRequest("remote-" + req.request_id, req.prompt_token_ids, 12))
-    assert got.token_ids == expected.token_ids, f"served {got.token_ids}, a fresh engine with v2 gives {expected.token_ids}"
+    assert got.token_ids == expected.token_ids, (
+        f"served {got.token_ids}, a fresh engine with v2 gives {expected.token_ids}"
+    )
     assert got.versions_seen == {2}, f"tokens stamped {got.versions_seen}, expected {{2}}"
 
 
@@ -67,7 +71,9 @@ def test_broadcast_data_plane_behind_the_server(tmp_path):
     cfg = ServerConfig(token=token, allowed_dirs=(tmp_path,), init_overrides={"rank": 1})
     thread = ServerThread(ControlServer(engine, BroadcastReceiver(engine), cfg)).start()
     client = ControlClient(thread.url, token=token)
-    deployment = RemoteDeployment(BroadcastSender(1, "gloo", bucket_bytes=1 << 16, timeout_s=30), [client], [engine.read_weights])
+    deployment = RemoteDeployment(
+        BroadcastSender(1, "gloo", bucket_bytes=1 << 16, timeout_s=30), [client], [engine.read_weights]
+    )
     try:
         w = weights_for(engine, seed=5)
         push(deployment, 1, w)
@@ -101,7 +107,10 @@ def test_lost_finish_without_idempotency_keys_is_recognised_by_version(served, c
     """What the client does against vLLM, which de-duplicates nothing: read /weight_info."""
     client = served.new_client(idempotency_keys=False, transport=LoseAnswers("/finish_weight_update"))
     push(deployment_with(served, client, "ck-vllm"), 1, weights_for(served.engine, seed=1))
-    assert attempts(client, "/finish_weight_update") == ["unknown: ReadTimeout", "recognised: already committed"], client.attempts
+    assert attempts(client, "/finish_weight_update") == [
+        "unknown: ReadTimeout",
+        "recognised: already committed",
+    ], client.attempts
     assert commits == [1], f"commits {commits}"
 
 
@@ -119,7 +128,9 @@ def test_unknown_outcome_of_update_without_keys_is_reported_not_retried(served, 
 
 
 def test_request_that_never_reached_the_server_is_retried(served, commits):
-    client = served.new_client(idempotency_keys=False, transport=LoseAnswers("/start_weight_update", mode="request"))
+    client = served.new_client(
+        idempotency_keys=False, transport=LoseAnswers("/start_weight_update", mode="request")
+    )
     push(deployment_with(served, client, "ck-conn"), 1, weights_for(served.engine, seed=1))
     assert attempts(client, "/start_weight_update") == ["not sent: ConnectError", "200"], client.attempts
     assert commits == [1]
@@ -128,7 +139,9 @@ def test_request_that_never_reached_the_server_is_retried(served, commits):
 def test_finish_of_a_committed_version_is_recognised_not_reapplied(served, commits):
     served.push(1, weights_for(served.engine, seed=1))
     again = served.client.finish_weight_update(1)
-    raw = httpx.post(f"{served.url}/finish_weight_update", json={"weight_version": "1"}, headers=served.auth())
+    raw = httpx.post(
+        f"{served.url}/finish_weight_update", json={"weight_version": "1"}, headers=served.auth()
+    )
     assert again["already_committed"] is True, again
     assert raw.status_code == 200 and raw.json()["already_committed"] is True, raw.text
     assert commits == [1], f"commits {commits}"
@@ -141,7 +154,11 @@ def test_idempotency_key_reused_for_another_request_is_refused(served):
     first = httpx.post(url, json={"new_version": "policy-a"}, headers=headers)
     replay = httpx.post(url, json={"new_version": "policy-a"}, headers=headers)
     other = httpx.post(url, json={"new_version": "policy-b"}, headers=headers)
-    assert (first.status_code, replay.status_code, other.status_code) == (200, 200, 422), (first.text, replay.text, other.text)
+    assert (first.status_code, replay.status_code, other.status_code) == (200, 200, 422), (
+        first.text,
+        replay.text,
+        other.text,
+    )
     assert other.json()["error"]["type"] == "IdempotencyKeyReused", other.text
     assert served.client.weight_version() == "policy-a"
 
@@ -172,7 +189,10 @@ def test_refused_update_weights_poisons_the_finish(served, commits):
     c = served.client
     c.start_weight_update()
     info = served.deployment.sender.prepare(1, weights_for(served.engine, seed=1))
-    forged = {**info, "manifest": {**info["manifest"], "entries": [dict(e) for e in info["manifest"]["entries"]]}}
+    forged = {
+        **info,
+        "manifest": {**info["manifest"], "entries": [dict(e) for e in info["manifest"]["entries"]]},
+    }
     forged["manifest"]["entries"][0]["name"] = "model.layers.99.mystery.weight"
     with pytest.raises(UnknownTensorError, match="mystery") as refused:
         c.update_weights(forged)

@@ -60,7 +60,13 @@ class ConfinesNothing(ControlServer):
 
 @pytest.mark.parametrize(
     ("broken", "mode", "max_tokens"),
-    [(AlwaysKeeps, "abort", 256), (AlwaysKeeps, "wait", 256), (ReturnsBeforeDraining, "wait", 256), (AlwaysAborts, "keep", 256), (StampsNoVersions, "keep", 128)],
+    [
+        (AlwaysKeeps, "abort", 256),
+        (AlwaysKeeps, "wait", 256),
+        (ReturnsBeforeDraining, "wait", 256),
+        (AlwaysAborts, "keep", 256),
+        (StampsNoVersions, "keep", 128),
+    ],
     ids=["keeps-on-abort", "keeps-on-wait", "wait-returns-early", "aborts-on-keep", "no-token-versions"],
 )
 def test_pause_checks_fail_a_broken_server(make_served, broken, mode, max_tokens):
@@ -86,5 +92,7 @@ def test_a_server_that_reruns_retries_applies_an_update_twice(make_served):
 
 def test_a_server_that_confines_nothing_accepts_a_foreign_root(make_served):
     served = make_served(server_cls=ConfinesNothing)
-    resp = httpx.post(served.url + "/init_weight_transfer_engine", json={"init_info": {"root": "/"}}, headers=served.auth())
+    resp = httpx.post(
+        served.url + "/init_weight_transfer_engine", json={"init_info": {"root": "/"}}, headers=served.auth()
+    )
     assert resp.status_code == 200, "the confinement test would not notice a server that confines nothing"

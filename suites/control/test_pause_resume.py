@@ -26,7 +26,9 @@ SHORT = 64  # in-flight requests under wait, which the pause lets finish
 
 
 def _run(served, mode: str, max_tokens: int, record_property):
-    r = update_under_load(served, mode, 1, N_IN_FLIGHT, N_QUEUED, max_tokens=max_tokens, queued_tokens=QUEUED_TOKENS)
+    r = update_under_load(
+        served, mode, 1, N_IN_FLIGHT, N_QUEUED, max_tokens=max_tokens, queued_tokens=QUEUED_TOKENS
+    )
     record_property("version_spans", r.spans)
     print(r.describe())
     return r
@@ -54,10 +56,14 @@ def test_abort_requests_by_id_ends_only_those(served):
     assert not streams[1].done and not streams[2].done, "aborting one request by id ended others"
     assert served.client.abort_requests() >= 2
     rest = [s.result(30) for s in streams[1:]]
-    assert [c.finish_reason for c in rest] == ["abort", "abort"], f"abort-all left {[c.finish_reason for c in rest]}"
+    assert [c.finish_reason for c in rest] == ["abort", "abort"], (
+        f"abort-all left {[c.finish_reason for c in rest]}"
+    )
     assert not served.client.is_paused(), "/abort_requests must not leave the engine paused"
     after = served.client.complete(request(4, "after-abort"))
-    assert after.finish_reason == "length" and len(after.token_ids) == 4, f"engine not serving after abort-all: {after}"
+    assert after.finish_reason == "length" and len(after.token_ids) == 4, (
+        f"engine not serving after abort-all: {after}"
+    )
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
@@ -67,7 +73,9 @@ def test_requests_sent_while_paused_run_after_resume(served, mode):
     stream = served.client.submit(request(6, f"paused-{mode}"))
     engine_side = served.server.live_streams()[stream.request.request_id]
     served.client.reset_prefix_cache()  # any round trip: the paused engine must still not have run it
-    assert not stream.done and not engine_side.events_after(0, timeout=0), "a request ran while the engine was paused"
+    assert not stream.done and not engine_side.events_after(0, timeout=0), (
+        "a request ran while the engine was paused"
+    )
     served.client.resume()
     c = stream.result(30)
     assert (c.finish_reason, len(c.token_ids)) == ("length", 6), f"request sent while paused: {c}"

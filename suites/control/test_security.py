@@ -51,13 +51,19 @@ def bad_authorizations(token: str) -> list[dict[str, str]]:
 def assert_untouched(served, weights, label="0", version=0) -> None:
     """The engine serves `version` with `weights`, unpaused, no update open, nothing generated."""
     info = served.client.weight_info()
-    assert (info["weight_version"], info["engine_version"], info["update_in_progress"]) == (label, version, False), info
+    assert (info["weight_version"], info["engine_version"], info["update_in_progress"]) == (
+        label,
+        version,
+        False,
+    ), info
     assert not served.engine.is_paused, "a refused request paused the engine"
     assert_bitwise_equal(weights, served.engine.read_weights(), "after refused requests")
 
 
 def assert_refused(resp: httpx.Response, status: int, fragment: str = "") -> None:
-    assert resp.status_code == status, f"{resp.request.method} {resp.request.url}: {resp.status_code} {resp.text[:300]}"
+    assert resp.status_code == status, (
+        f"{resp.request.method} {resp.request.url}: {resp.status_code} {resp.text[:300]}"
+    )
     message = resp.json()["error"]["message"]
     assert fragment.lower() in message.lower(), f"error {message!r} does not say {fragment!r}"
 
@@ -82,7 +88,7 @@ def test_read_only_routes_need_no_token(served):
 
 def test_binds_loopback_by_default(served):
     assert ServerConfig(token="x" * 16).host == "127.0.0.1"
-    bound = served.thread._uvicorn.servers[0].sockets[0].getsockname()  # noqa: SLF001
+    bound = served.thread._uvicorn.servers[0].sockets[0].getsockname()
     assert bound[0] == "127.0.0.1", f"server bound {bound}"
 
 
@@ -95,10 +101,15 @@ def test_there_is_no_unauthenticated_mode(token):
 def test_cli_binds_loopback_and_requires_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_CONTROL_TOKEN"}
     cmd = [sys.executable, "-m", "harness.control.server", "--allowed-dir", str(tmp_path)]
-    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 2 and "no token" in refused.stderr, (refused.returncode, refused.stderr[-500:])
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "no token" in refused.stderr, (
+        refused.returncode,
+        refused.stderr[-500:],
+    )
     token = "cli-token-0123456789abcdef"
-    proc = subprocess.Popen(cmd, env={**env, "WEIGHTSYNC_CONTROL_TOKEN": token}, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, env={**env, "WEIGHTSYNC_CONTROL_TOKEN": token}, stdout=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stdout.readline()  # printed once the socket is bound
         url = line.rsplit(" ", 1)[-1].strip()
@@ -116,9 +127,15 @@ def test_oversized_bodies_are_refused_before_parsing(make_served):
     served = make_served(max_body_bytes=4096)
     before = served.engine.read_weights()
     big = b'{"update_info": {"pad": "' + b"x" * 5000 + b'"}}'
-    declared = httpx.post(served.url + "/update_weights", content=big, headers={**served.auth(), "content-type": "application/json"})
+    declared = httpx.post(
+        served.url + "/update_weights",
+        content=big,
+        headers={**served.auth(), "content-type": "application/json"},
+    )
     assert_refused(declared, 413, "limit")
-    chunked = httpx.post(served.url + "/update_weights", content=iter([big[:3000], big[3000:]]), headers=served.auth())
+    chunked = httpx.post(
+        served.url + "/update_weights", content=iter([big[:3000], big[3000:]]), headers=served.auth()
+    )
     assert_refused(chunked, 413, "limit")
     assert_untouched(served, before)
     served.push(1, weights_for(served.engine, seed=1))
@@ -157,17 +174,25 @@ STRICT_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("path", "query", "body", "status", "fragment"), STRICT_CASES, ids=lambda v: str(v)[:30])
+@pytest.mark.parametrize(
+    ("path", "query", "body", "status", "fragment"), STRICT_CASES, ids=lambda v: str(v)[:30]
+)
 def test_strict_schemas_refuse_with_a_message(served, path, query, body, status, fragment):
     before = served.engine.read_weights()
     kwargs = {"content": body} if isinstance(body, bytes) else ({"json": body} if body is not None else {})
-    headers = {**served.auth(), "content-type": "application/json"} if isinstance(body, bytes) else served.auth()
+    headers = (
+        {**served.auth(), "content-type": "application/json"} if isinstance(body, bytes) else served.auth()
+    )
     assert_refused(httpx.post(served.url + path, params=query, headers=headers, **kwargs), status, fragment)
     assert_untouched(served, before)
 
 
 def test_wrong_content_type_is_refused(served):
-    resp = httpx.post(served.url + "/update_weights", content=b'{"update_info": {}}', headers={**served.auth(), "content-type": "text/plain"})
+    resp = httpx.post(
+        served.url + "/update_weights",
+        content=b'{"update_info": {}}',
+        headers={**served.auth(), "content-type": "text/plain"},
+    )
     assert_refused(resp, 415, "application/json")
 
 
@@ -192,14 +217,20 @@ def test_wrong_content_type_is_refused(served):
     ids=repr,
 )
 def test_version_strings_are_validated(served, version, status):
-    resp = httpx.post(served.url + "/finish_weight_update", json={"weight_version": version}, headers=served.auth())
+    resp = httpx.post(
+        served.url + "/finish_weight_update", json={"weight_version": version}, headers=served.auth()
+    )
     assert resp.status_code == status, f"weight_version={version!r}: {resp.status_code} {resp.text[:300]}"
     assert served.client.weight_info()["engine_version"] == 0
 
 
-@pytest.mark.parametrize("label", ["../../etc/passwd", "a b", "", "-x", "x" * 65, "v1\n", 7, None, True, ["v1"]], ids=repr)
+@pytest.mark.parametrize(
+    "label", ["../../etc/passwd", "a b", "", "-x", "x" * 65, "v1\n", 7, None, True, ["v1"]], ids=repr
+)
 def test_version_labels_are_validated(served, label):
-    resp = httpx.post(served.url + "/update_weight_version", json={"new_version": label}, headers=served.auth())
+    resp = httpx.post(
+        served.url + "/update_weight_version", json={"new_version": label}, headers=served.auth()
+    )
     assert resp.status_code == 422, f"new_version={label!r}: {resp.status_code} {resp.text[:300]}"
     assert served.client.weight_version() == "0"
 
@@ -233,14 +264,24 @@ def test_update_paths_outside_the_allowed_directory_are_refused(served, outside_
     before = served.engine.read_weights()
     for what, path in _path_cases(served, outside).items():
         served.client.start_weight_update()
-        resp = httpx.post(served.url + "/update_weights", json={"update_info": {**info, "path": path}}, headers=served.auth())
+        resp = httpx.post(
+            served.url + "/update_weights",
+            json={"update_info": {**info, "path": path}},
+            headers=served.auth(),
+        )
         assert resp.status_code == 400, f"{what} path {path!r}: {resp.status_code} {resp.text[:300]}"
         assert "path" in resp.json()["error"]["message"], resp.text
         served.client.abort_weight_update()
         assert_untouched(served, before)
-    for smuggled in ({"paths": [info["path"], str(outside)]}, {"location": str(outside)}, {"extra": {"file": "/etc/passwd"}}):
+    for smuggled in (
+        {"paths": [info["path"], str(outside)]},
+        {"location": str(outside)},
+        {"extra": {"file": "/etc/passwd"}},
+    ):
         served.client.start_weight_update()
-        resp = httpx.post(served.url + "/update_weights", json={"update_info": {**info, **smuggled}}, headers=served.auth())
+        resp = httpx.post(
+            served.url + "/update_weights", json={"update_info": {**info, **smuggled}}, headers=served.auth()
+        )
         assert resp.status_code == 400, f"{smuggled}: {resp.status_code} {resp.text[:300]}"
         served.client.abort_weight_update()
     assert_untouched(served, before)
@@ -250,12 +291,19 @@ def test_update_paths_outside_the_allowed_directory_are_refused(served, outside_
 
 @pytest.mark.parametrize(
     "init_info",
-    [{"root": "/"}, {"root": "{root}/.."}, {"root": "relative/dir"}, {"root": "{root}", "master_addr": "10.1.2.3"}],
+    [
+        {"root": "/"},
+        {"root": "{root}/.."},
+        {"root": "relative/dir"},
+        {"root": "{root}", "master_addr": "10.1.2.3"},
+    ],
     ids=["fs-root", "parent", "relative", "foreign-peer"],
 )
 def test_init_info_is_confined_too(served, init_info):
     info = {k: v.replace("{root}", str(served.root)) for k, v in init_info.items()}
-    resp = httpx.post(served.url + "/init_weight_transfer_engine", json={"init_info": info}, headers=served.auth())
+    resp = httpx.post(
+        served.url + "/init_weight_transfer_engine", json={"init_info": info}, headers=served.auth()
+    )
     assert resp.status_code == 400, f"init_info {info}: {resp.status_code} {resp.text[:300]}"
     w = weights_for(served.engine, seed=1)
     served.push(1, w)  # the receiver kept its root

@@ -57,16 +57,22 @@ class Vllm:
         return c
 
     def deployment(self, client: ControlClient) -> RemoteDeployment:
-        return RemoteDeployment(DiskSender(self.root / f"ckpt-{self.name}-{len(self.clients)}"), [client], discard=discard)
+        return RemoteDeployment(
+            DiskSender(self.root / f"ckpt-{self.name}-{len(self.clients)}"), [client], discard=discard
+        )
 
     def weights(self, seed: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
-        return {n: t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in self.base.items()}
+        return {
+            n: t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in self.base.items()
+        }
 
     def read_weights(self, client: ControlClient) -> dict[str, torch.Tensor]:
         """The oracle, through the harness transport's worker extension (not through the sync path)."""
         path = self.root / f"readback-{self.name}.safetensors"
-        resp = client._http.post("/collective_rpc", json={"method": "weightsync_read", "kwargs": {"path": str(path)}})  # noqa: SLF001
+        resp = client._http.post(
+            "/collective_rpc", json={"method": "weightsync_read", "kwargs": {"path": str(path)}}
+        )
         assert resp.status_code == 200, resp.text[:300]
         return safetensors.torch.load_file(str(path))
 
@@ -85,7 +91,7 @@ def vllm(vllm_server, request):
 def discard(client: ControlClient) -> None:
     """vLLM cannot abort an update: drop what the harness transport staged, then close the update with
     a finish that has nothing to apply (and sets no version label)."""
-    resp = client._http.post("/collective_rpc", json={"method": "weightsync_discard"})  # noqa: SLF001
+    resp = client._http.post("/collective_rpc", json={"method": "weightsync_discard"})
     assert resp.status_code == 200, resp.text[:300]
     if any(r.get("active") for r in resp.json()["results"]):
         client.finish_weight_update(None)
@@ -119,7 +125,9 @@ def test_unknown_update_outcome_on_vllm_is_reported_not_retried(vllm):
     before_label = client.weight_version()
     with pytest.raises(AmbiguousResultError):
         push(vllm.deployment(client), _next_version(client), vllm.weights(seed=3))
-    assert [o for p, o in client.attempts if p == "/update_weights"] == ["unknown: ReadTimeout"], client.attempts
+    assert [o for p, o in client.attempts if p == "/update_weights"] == ["unknown: ReadTimeout"], (
+        client.attempts
+    )
     assert client.weight_version() == before_label
     good = vllm.client()
     version, w = _next_version(good), vllm.weights(seed=4)
@@ -146,7 +154,9 @@ def test_pause_resume_and_streams_on_vllm(vllm, mode, record_property):
     assert stream.error is None, repr(stream.error)
     expected = ("length", max_tokens) if mode == "keep" else ("abort", None)
     got = (c.finish_reason, len(c.token_ids) if mode == "keep" else None)
-    assert got == expected, f"{mode}: finish {c.finish_reason} after {len(c.token_ids)} tokens ({at_pause} at the pause)"
+    assert got == expected, (
+        f"{mode}: finish {c.finish_reason} after {len(c.token_ids)} tokens ({at_pause} at the pause)"
+    )
     assert set(c.token_versions) <= {UNKNOWN_VERSION}, "vLLM does not report per-token versions"
 
 
@@ -162,7 +172,9 @@ def test_abort_by_id_reaches_vllm(vllm, record_property):
         before = len(stream.events_after(0, timeout=0))
         stream.abort()
         c = stream.result(300)
-        assert (c.finish_reason, len(c.token_ids) < LONG) == ("abort", True), f"abort {i}: {c.finish_reason} after {len(c.token_ids)}"
+        assert (c.finish_reason, len(c.token_ids) < LONG) == ("abort", True), (
+            f"abort {i}: {c.finish_reason} after {len(c.token_ids)}"
+        )
         late.append(len(c.token_ids) - before)
     record_property("vllm_tokens_after_abort_call", late)
     print(f"vLLM /abort_requests by id: tokens produced after the call {late}")
