@@ -184,31 +184,45 @@ def delta_on_gpu() -> list[dict]:
     return rows
 
 
-def conformance(out: Path) -> list[dict]:
-    rows = []
-    for name in ("harness.paths.broadcast:make_nccl_backend", "harness.paths.ipc:make_cuda_backend",
-                 "harness.paths.delta:make_nccl_backend"):
+GPU_BACKENDS = ("harness.paths.broadcast:make_nccl_backend", "harness.paths.ipc:make_cuda_backend",
+                "harness.paths.delta:make_nccl_backend")
+
+
+def conformance(out: Path, timeout_s: float) -> list[dict]:
+    """The conformance suite over each GPU backend, the three runs side by side."""
+    runs = []
+    for name in GPU_BACKENDS:
         slug = name.split(":")[0].rsplit(".", 1)[-1] + "-" + name.split(":")[1]
         results = out / f"conformance-{slug}.json"
         cmd = [sys.executable, "-m", "pytest", "suites/conformance", "-q", "-p", "harness.pytest_plugin",
                "-p", "no:cacheprovider", f"--weightsync-backend={name}", "--weightsync-receivers=1",
-               f"--weightsync-results={results}", "-x", "--timeout=300",
+               f"--weightsync-results={results}", "--timeout=300", "--durations=5",
                "--deselect", "suites/conformance/test_torchrun.py", "--deselect", "suites/conformance/test_supervision.py"]
-        t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-        tail = (proc.stdout + proc.stderr)[-1500:]
+        log = open(out / f"pytest-{slug}.log", "w")  # noqa: SIM115 - closed below
+        runs.append((name, results, log, time.time(), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+    rows = []
+    for name, results, log, t0, proc in runs:
+        try:
+            proc.wait(timeout=max(1.0, timeout_s - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
         data = json.loads(results.read_text()) if results.exists() else {"tests": {}}
         statuses = [t.get("status") for t in data["tests"].values()]
         rows.append({"backend": name, "exit": proc.returncode, "seconds": round(time.time() - t0, 1),
                      "passed": statuses.count("passed"), "failed": statuses.count("failed"),
-                     "not_supported": statuses.count("not_supported"), "tail": tail})
+                     "not_supported": statuses.count("not_supported"),
+                     "failures": {k: v.get("message", "")[-600:] for k, v in data["tests"].items()
+                                  if v.get("status") == "failed"}})
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--skip-conformance", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
+    parser.add_argument("--conformance-timeout", type=float, default=420.0)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +239,8 @@ def main() -> int:
     results: dict = {"environment": env}
     for name, fn in (("copy_ceiling", copy_ceiling), ("nccl_broadcast", nccl_broadcast), ("cuda_ipc", cuda_ipc),
                      ("delta_gpu", delta_on_gpu)):
+        if args.only is not None and name not in args.only:
+            continue
         t0 = time.time()
         try:
             results[name] = fn()
@@ -232,8 +248,8 @@ def main() -> int:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"{name}: {time.time() - t0:.1f}s", flush=True)
         (out / "gpu_results.json").write_text(json.dumps(results, indent=2, default=str))
-    if not args.skip_conformance:
-        results["conformance"] = conformance(out)
+    if args.only is None or "conformance" in args.only:
+        results["conformance"] = conformance(out, args.conformance_timeout)
     (out / "gpu_results.json").write_text(json.dumps(results, indent=2, default=str))
     print(json.dumps({k: v for k, v in results.items() if k != "environment"}, indent=1, default=str)[-6000:])
     return 0

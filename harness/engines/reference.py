@@ -9,6 +9,7 @@ half-applied update.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -70,6 +71,10 @@ class ReferenceEngine(Engine):
 
         self._lock = threading.RLock()  # held by every step and by commit
         self._cond = threading.Condition(self._lock)
+        # Callers (pause, commit, submit, ...) go before the scheduler's next step: Python locks are
+        # not fair, and a scheduler that re-takes the lock at once would starve them.
+        self._turn = threading.Condition()
+        self._callers = 0
         self._waiting: collections.deque[_Running] = collections.deque()
         self._running: list[_Running] = []
         self._seq = itertools.count()
@@ -81,6 +86,22 @@ class ReferenceEngine(Engine):
         self._thread = threading.Thread(target=self._loop, name="reference-engine", daemon=True)
         self._thread.start()
 
+    @contextlib.contextmanager
+    def _priority(self):
+        """Hold the step lock, taking it ahead of the scheduler."""
+        with self._turn:
+            self._callers += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._turn:
+                self._callers -= 1
+                self._turn.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     # ------------------------------------------------------------------ Engine: state
     @property
     def weight_version(self) -> int:
@@ -91,11 +112,11 @@ class ReferenceEngine(Engine):
 
     @property
     def is_paused(self) -> bool:
-        with self._lock:
+        with self._priority():
             return self._paused
 
     def read_weights(self) -> dict[str, torch.Tensor]:
-        with self._lock:
+        with self._priority():
             return {n: t.clone() for n, t in tiny_lm.unfuse(self._live, self.config).items()}
 
     # ------------------------------------------------------------------ Engine: requests
@@ -108,7 +129,7 @@ class ReferenceEngine(Engine):
         if request.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
         stream = RequestStream(request)
-        with self._cond:
+        with self._priority():
             if self._stopped:
                 raise EngineStateError("engine is shut down")
             self._waiting.append(_Running(stream, next(self._seq), list(request.prompt_token_ids)))
@@ -118,7 +139,7 @@ class ReferenceEngine(Engine):
     def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be abort, wait or keep, got {mode!r}")
-        with self._cond:
+        with self._priority():
             if mode == "abort":
                 self._paused = True
                 for r in [*self._running, *self._waiting]:
@@ -139,12 +160,12 @@ class ReferenceEngine(Engine):
             self._cond.notify_all()
 
     def resume(self) -> None:
-        with self._cond:
+        with self._priority():
             self._paused = False
             self._cond.notify_all()
 
     def reset_prefix_cache(self) -> None:
-        with self._lock:
+        with self._priority():
             self._prefix_cache.clear()
 
     # ------------------------------------------------------------------ Engine: commit
@@ -158,11 +179,11 @@ class ReferenceEngine(Engine):
                     f"engine holds {s.shape} {dtype_name(s.dtype)}"
                 )
         # Build the whole new live dict first (copy-on-write), then swap it in under the step lock.
-        with self._lock:
+        with self._priority():
             checkpoint = tiny_lm.unfuse(self._live, self.config)
         checkpoint.update({n: t.detach() for n, t in tensors.items()})  # ownership passes to the engine
         new_live = tiny_lm.fuse(checkpoint)
-        with self._cond:
+        with self._priority():
             if version <= self._version:  # re-checked: another commit may have landed meanwhile
                 raise VersionError(f"version {version} is not newer than the committed {self._version}")
             self._live = new_live
@@ -186,7 +207,7 @@ class ReferenceEngine(Engine):
                             )
 
     def shutdown(self) -> None:
-        with self._cond:
+        with self._priority():
             self._stopped = True
             for r in [*self._running, *self._waiting]:
                 r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
@@ -208,6 +229,8 @@ class ReferenceEngine(Engine):
 
     def _loop(self) -> None:
         while True:
+            with self._turn:
+                self._turn.wait_for(lambda: self._callers == 0)
             with self._cond:
                 self._cond.wait_for(self._runnable)
                 if self._stopped:

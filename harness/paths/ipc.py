@@ -55,6 +55,7 @@ def cuda_handle(buf: torch.Tensor) -> JSON:
 
 def open_cuda_handle(h: JSON) -> torch.Tensor:
     unb64 = lambda s: base64.b64decode(s) if s else b""  # noqa: E731
+    torch.cuda.init()  # opening a handle in a process that has not touched CUDA yet crashes it
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             h["device"], unb64(h["handle"]), h["size"], h["offset"], unb64(h["ref_handle"]), h["ref_offset"],
@@ -105,6 +106,12 @@ class IpcSender(Sender):
         """Nothing moves: the bytes already sit in memory the receivers map."""
 
     def complete(self, committed: bool) -> None:
+        # CUDA's caching allocator keeps a freed block mapped and intact, so a stale handle would
+        # still open and show this sync's token: wipe the tokens first, then free.
+        for buf in self._cuda_buffers:
+            buf[:TOKEN_BYTES].zero_()
+        if self._cuda_buffers:
+            torch.cuda.synchronize(self.device)
         for shm in self._segments:
             shm.close()
             try:
