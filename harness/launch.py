@@ -146,6 +146,27 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
 
 
 # ============================================================================ parent side
+class FifoLock:
+    """A lock granted in arrival order. The rank's pipe is shared by the caller and the stream pump;
+    with a plain Lock the pump, which re-takes it at once, can starve the caller on a fast host."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
 class RankProcess:
     """A supervised rank: call(op, ...) returns its result or raises what the rank raised."""
 
@@ -171,7 +192,7 @@ class RankProcess:
         )
         self.process.start()
         child.close()
-        self._lock = threading.Lock()
+        self._lock = FifoLock()
         self._broken: str | None = None
         with self._lock:
             self._reply("start", timeout)
@@ -290,7 +311,7 @@ class RemoteEngine(Engine):
 
     def _pump_loop(self) -> None:
         try:
-            while self._poll(0.05):
+            while self._poll(0.02):
                 pass
         except WeightSyncError as exc:
             # the rank is gone: its open requests are lost, and their streams say so
