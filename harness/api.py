@@ -242,6 +242,11 @@ class Engine(abc.ABC):
         streams = [self.submit(r) for r in requests]
         return [s.result(timeout) for s in streams]
 
+    def abort_requests(self, request_ids: Sequence[str]) -> int:
+        """End these requests now with finish_reason 'abort' (partial output kept); returns how many
+        were still running or queued. Engines that cannot abort by id raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot abort requests by id")
+
     @abc.abstractmethod
     def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
         """abort: in-flight requests end with finish_reason 'abort'; wait: return once in-flight

@@ -97,6 +97,8 @@ class _RankServer:
                 if events and events[-1]["finish_reason"] is not None:
                     self.streams.pop(rid, None)
             return out, None
+        if op == "abort_requests":
+            return e.abort_requests(args["request_ids"]), None
         if op == "pause":
             return e.pause(args["mode"], args["clear_cache"]), None
         if op == "resume":
@@ -331,6 +333,11 @@ class RemoteEngine(Engine):
                 self._pump = threading.Thread(target=self._pump_loop, name="remote-engine-pump", daemon=True)
                 self._pump.start()
         return stream
+
+    def abort_requests(self, request_ids) -> int:
+        n = self.rank.call("abort_requests", request_ids=list(request_ids))
+        self._poll(0.0)  # the aborts show in the local streams on return
+        return n
 
     def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
         self.rank.call("pause", mode=mode, clear_cache=clear_cache)

@@ -136,6 +136,17 @@ class ReferenceEngine(Engine):
             self._cond.notify_all()
         return stream
 
+    def abort_requests(self, request_ids) -> int:
+        wanted = set(request_ids)
+        with self._priority():
+            hit = [r for r in [*self._running, *self._waiting] if r.stream.request.request_id in wanted]
+            for r in hit:
+                r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+            self._running = [r for r in self._running if r not in hit]
+            self._waiting = collections.deque(r for r in self._waiting if r not in hit)
+            self._cond.notify_all()
+        return len(hit)
+
     def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"pause mode must be abort, wait or keep, got {mode!r}")

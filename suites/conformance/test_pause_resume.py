@@ -123,3 +123,20 @@ def test_nothing_is_lost(deployment, mode):
     if mode != "keep":
         mixed = [c.request_id for c in results if len(c.versions_seen) > 1]
         assert not mixed, f"pause({mode}): requests {mixed} mix two versions"
+
+
+def test_abort_by_id_ends_only_that_request(deployment):
+    engine = deployment.handles[0].engine
+    try:
+        victim, bystander = _in_flight(engine, n=2, max_tokens=ABORTED_LEN)
+        assert engine.abort_requests([victim.request.request_id, "no-such-request"]) == 1
+    except NotImplementedError:
+        pytest.skip("NOT_SUPPORTED: the engine cannot abort requests by id")
+    c = victim.result(timeout=30)
+    assert c.finish_reason == "abort" and 2 <= len(c.token_ids) < ABORTED_LEN, (
+        f"aborted request: {c.finish_reason!r} after {len(c.token_ids)} tokens"
+    )
+    assert not bystander.done or bystander.result().finish_reason == "length", "the other request was aborted too"
+    engine.pause("abort")  # end the bystander; nothing else may be left running
+    engine.resume()
+    assert bystander.result(timeout=30).finish_reason in ("abort", "length")
