@@ -82,6 +82,16 @@ class GenerationRequest:
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()
 
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError, naming the request, unless an engine of this vocabulary can serve it."""
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: empty prompt")
+        bad = [t for t in self.prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"request {self.request_id!r}: token ids {bad[:5]} outside vocab {vocab_size}")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1")
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:

@@ -113,6 +113,37 @@ def gloo_broadcast_ceiling(size_bytes: int, receivers: int, bucket_bytes: int, r
     return size_bytes / statistics.median(times) / 1e9
 
 
+def _versions(weights: dict[str, torch.Tensor], fraction: float, n: int):
+    """n successive versions, each with `fraction` of every tensor's entries changed (0: the same)."""
+    gen = torch.Generator().manual_seed(7)
+    current = weights
+    for _ in range(n):
+        if fraction:
+            current = {k: t.clone() for k, t in current.items()}
+            for t in current.values():
+                idx = torch.randint(0, t.numel(), (max(1, int(fraction * t.numel())),), generator=gen)
+                t[idx] = (t[idx].float() + 1).to(t.dtype)
+        yield current
+
+
+def memcpy_ceiling(size_bytes: int, repeats: int = 3) -> float:
+    src = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return size_bytes / _median_time(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def ceiling_of(backend: Backend, nbytes: int, receivers: int, workdir: str, repeats: int) -> float:
+    """The raw transport under the path: file write+read, bare gloo broadcast, or memcpy."""
+    name = backend.name
+    if name == "disk":
+        return disk_ceiling(nbytes, workdir, repeats)
+    if name in ("broadcast", "delta"):
+        return gloo_broadcast_ceiling(nbytes, receivers, getattr(backend, "bucket_bytes", DEFAULT_BUCKET_BYTES), repeats)
+    if name in ("ipc", "delta-ipc"):
+        return memcpy_ceiling(nbytes, repeats)
+    return 0.0
+
+
 def measure_sync(
     backend: Backend,
     sizes: list[int],
@@ -128,16 +159,21 @@ def measure_sync(
             weights = payload(size)
             nbytes = sum(t.numel() * t.element_size() for t in weights.values())
             progress(f"{backend.name}: {receivers} receiver(s), {nbytes / 2**20:.0f} MiB")
+            # delta paths get a new version with 1% of entries changed each push (the RL regime);
+            # their algbw counts the dense bytes delivered, i.e. effective bandwidth
+            steps = _versions(weights, 0.01 if backend.capabilities.delta else 0.0, repeats + 1)
             with backend.deploy(receivers, spec_of(weights), str(Path(wd) / f"{backend.name}-{size}")) as dep:
                 version = iter(range(1, 1000))
                 push(dep, next(version), weights)  # warm-up: connections, page cache, allocator
-                t = _median_time(lambda: push(dep, next(version), weights), repeats)
-                wrong = sum(len(bitwise_mismatches(weights, h.engine.read_weights())) for h in dep.handles)
-            if backend.name == "disk":
-                ceiling = disk_ceiling(nbytes, wd, repeats)
-            elif backend.name == "broadcast":
-                ceiling = gloo_broadcast_ceiling(nbytes, receivers, getattr(backend, "bucket_bytes", DEFAULT_BUCKET_BYTES), repeats)
-            else:
-                ceiling = 0.0
+                last = weights
+
+                def one_push() -> None:
+                    nonlocal last
+                    last = next(steps)
+                    push(dep, next(version), last)
+
+                t = _median_time(one_push, repeats)
+                wrong = sum(len(bitwise_mismatches(last, h.engine.read_weights())) for h in dep.handles)
+            ceiling = ceiling_of(backend, nbytes, receivers, wd, repeats)
             rows.append(SyncRow(backend.name, receivers, nbytes, len(weights), "bf16", t, nbytes / t / 1e9, ceiling, wrong))
     return rows

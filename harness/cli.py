@@ -1,6 +1,6 @@
 """weightsync command line.
 
-    weightsync certify                      # reference paths (disk, broadcast) -> reports/<stamp>/
+    weightsync certify                      # every reference path -> reports/certify-<stamp>/
     weightsync certify --backend mypkg.sync:make_backend --engine reference
 """
 
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.api import WeightSyncError
-from harness.registry import resolve_backend
+from harness.registry import BUILTIN_BACKENDS, resolve_backend
 
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("certify", help="run the conformance suite and the throughput table; write a report")
-    c.add_argument("--backend", action="append", help="built-in name or pkg.module:factory (repeatable; default: disk, broadcast)")
+    c.add_argument("--backend", action="append",
+                   help="built-in name or pkg.module:factory (repeatable; default: every built-in path)")
     c.add_argument("--engine", default="reference", help="engine factory (default: reference)")
     c.add_argument("--receivers", default="auto", help="receiver counts for multi-receiver tests (default: auto)")
     c.add_argument("--profile", default=os.environ.get("HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"])
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--no-bench", action="store_true", help="skip the throughput table")
     args = parser.parse_args(argv)
     if args.command == "certify":
-        args.backend = args.backend or ["disk", "broadcast"]
+        args.backend = args.backend or list(BUILTIN_BACKENDS)
         return certify(args)
     return 2
 

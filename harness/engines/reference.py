@@ -121,13 +121,7 @@ class ReferenceEngine(Engine):
 
     # ------------------------------------------------------------------ Engine: requests
     def submit(self, request: GenerationRequest) -> RequestStream:
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id!r}: empty prompt")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"request {request.request_id!r}: token ids {bad[:5]} outside vocab {self.config.vocab_size}")
-        if request.max_tokens < 1:
-            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
+        request.check(self.config.vocab_size)
         stream = RequestStream(request)
         with self._priority():
             if self._stopped:

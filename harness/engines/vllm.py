@@ -460,15 +460,7 @@ class InProcessVllm(VllmEngine):
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: GenerationRequest) -> RequestStream:
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id!r}: empty prompt")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"request {request.request_id!r}: token ids {bad[:5]} outside vocab {self.vocab_size}"
-            )
-        if request.max_tokens < 1:
-            raise ValueError(f"request {request.request_id!r}: max_tokens must be >= 1")
+        request.check(self.vocab_size)
         stream = RequestStream(request)
         with self._cond:
             if self._stopped:
