@@ -21,6 +21,10 @@ INVARIANTS: dict[str, str] = {
     "test_bad_input": "5 bad input refused, nothing lost",
     "test_pause_resume": "6 pause/resume, no mixing, nothing lost",
     "test_cache_invalidation": "4 caches invalidated",
+    "test_patch": "2 patch: base + delta exact, wrong base / replay refused",
+    "test_ipc_handles": "8 resources: handles released, stale/foreign refused",
+    "test_supervision": "7 dead or hung rank fails in bounded time",
+    "test_torchrun": "broadcast rank code under torchrun",
 }
 
 
