@@ -650,9 +650,9 @@ class ControlServer:
         if not body.request_ids:
             n = await self._in_thread(self._abort_all)
             return {"status": "aborted", "aborted": n}
-        n = 0
         engine_abort = getattr(self.engine, "abort_requests", None)
-        found = [self._live[r] for r in dict.fromkeys(body.request_ids) if r in self._live]
+        # counted before the engine acts: its abort event may close the stream before the loop below
+        found = [self._live[r] for r in dict.fromkeys(body.request_ids) if r in self._live and not self._live[r].closed]
         if callable(engine_abort):
             await self._in_thread(lambda: engine_abort([live.request_id for live in found]))
         for live in found:
@@ -663,8 +663,7 @@ class ControlServer:
             version = self.engine.weight_version
             live.queue.put_nowait([TokenEvent(live.request_id, live.tokens, None, version, "abort")])
             live.closed = True
-            n += 1
-        return {"status": "aborted", "aborted": n}
+        return {"status": "aborted", "aborted": len(found)}
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
