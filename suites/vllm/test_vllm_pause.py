@@ -28,7 +28,7 @@ pytestmark = pytest.mark.vllm
 
 PROMPT = (1, 17, 4, 250, 33)
 CHECK = 8  # tokens compared with transformers on each side of the pause
-ATTEMPTS = 3
+ATTEMPTS = 6  # a pause can land late on 2 loaded cores (up to ~1000 tokens, seen); each miss costs one request
 
 
 def _in_flight(deployment, tokens: int, max_tokens: int = LONG_TOKENS):
