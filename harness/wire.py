@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 from harness import api
-from harness.api import Completion, GenerationRequest, TensorSpec, TokenEvent, WeightSpec
+from harness.api import GenerationRequest, TensorSpec, TokenEvent, WeightSpec
 from harness.manifest import dtype_from_name, dtype_name
 
 
@@ -51,10 +51,6 @@ def event_to_json(e: TokenEvent) -> dict[str, Any]:
 
 def event_from_json(d: Mapping[str, Any]) -> TokenEvent:
     return TokenEvent(**d)
-
-
-def completion_from_json(d: Mapping[str, Any]) -> Completion:
-    return Completion(**d)
 
 
 def tensors_to_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:

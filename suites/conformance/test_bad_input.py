@@ -73,7 +73,6 @@ def test_version_not_newer_is_refused(at_version_1, version):
 def test_corrupted_digest_is_refused(at_version_1):
     """The bytes arrive intact but the manifest says otherwise: the receiver must not commit."""
     weights = _model_weights(at_version_1, 5)
-    name = next(iter(weights))
 
     def forge(info):
         info["manifest"]["entries"][0]["digest"] = "0" * 32

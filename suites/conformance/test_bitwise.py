@@ -6,11 +6,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from fixtures.payloads import random_like_spec, spec_of, special_values, weight_sets
+from fixtures.payloads import spec_of, special_values, weight_sets
 from harness.api import ALL_DTYPES
 from harness.manifest import dtype_name
-from harness.trainer import ReferenceTrainer
-from suites.conformance.helpers import assert_engines_hold, push_and_check, rerun_hint
+from suites.conformance.helpers import push_and_check, rerun_hint
 
 pytestmark = pytest.mark.requires("arbitrary_tensors")
 

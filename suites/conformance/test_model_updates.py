@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 
 from fixtures.payloads import random_like_spec
 from harness.checks import assert_bitwise_equal
