@@ -47,6 +47,9 @@ def run_conformance(backend: str, engine: str, out: Path, profile: str, receiver
         return {"backend": backend, "exitstatus": proc.returncode, "tests": {},
                 "error": f"pytest produced no results (exit {proc.returncode}); see {log}"}
     data = json.loads(results.read_text())
+    if not data.get("complete", True):  # killed mid-run: the file holds what finished before
+        data["exitstatus"] = proc.returncode if proc.returncode not in (0, 5) else 3
+        data["error"] = f"pytest stopped (exit {proc.returncode}) during {data.get('running') or 'teardown'}; see {log}"
     statuses = [r.get("status") for r in data["tests"].values()]
     console.print(
         f"conformance {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "

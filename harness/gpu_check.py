@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -199,20 +200,27 @@ def conformance(out: Path, timeout_s: float) -> list[dict]:
                f"--weightsync-results={results}", "--timeout=300", "--durations=5",
                "--deselect", "suites/conformance/test_torchrun.py", "--deselect", "suites/conformance/test_supervision.py"]
         log = open(out / f"pytest-{slug}.log", "w")  # noqa: SIM115 - closed below
-        runs.append((name, results, log, time.time(), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT on timeout dumps every thread's stack
+        runs.append((name, results, log, time.time(),
+                     subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
     rows = []
     for name, results, log, t0, proc in runs:
         try:
             proc.wait(timeout=max(1.0, timeout_s - (time.time() - t0)))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGABRT)  # stacks into the log first: where it hung is the finding
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         log.close()
         data = json.loads(results.read_text()) if results.exists() else {"tests": {}}
         statuses = [t.get("status") for t in data["tests"].values()]
         rows.append({"backend": name, "exit": proc.returncode, "seconds": round(time.time() - t0, 1),
                      "passed": statuses.count("passed"), "failed": statuses.count("failed"),
                      "not_supported": statuses.count("not_supported"),
+                     "complete": data.get("complete", False), "stopped_in": data.get("running"),
                      "failures": {k: v.get("message", "")[-600:] for k, v in data["tests"].items()
                                   if v.get("status") == "failed"}})
     return rows

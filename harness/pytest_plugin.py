@@ -247,11 +247,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             rec["message"] = str(report.longrepr)[-2000:]
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    # Written before and after every test, so a run that is killed (a hang, a timeout, a lost machine)
+    # still leaves what passed and names the test it stopped in.
+    _write_results(item.config, running=item.nodeid)
+    yield
+    _write_results(item.config)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    path = session.config.getoption("--weightsync-results", default=None)
+    _write_results(session.config, exitstatus=int(exitstatus))
+
+
+def _write_results(config: pytest.Config, running: str | None = None, exitstatus: int | None = None) -> None:
+    path = config.getoption("--weightsync-results", default=None)
     if not path:
         return
-    sel = _selection(session.config)
+    sel = _selection(config)
     names = list(sel.backends)
     data = {
         "backend": ",".join(names),
@@ -259,9 +272,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "receivers": {n: sel.receivers(n) for n in names},
         "capabilities": {n: sel.backends[n].capabilities.describe() for n in names},
         "hypothesis_profile": settings._current_profile,  # noqa: SLF001
-        "exitstatus": int(exitstatus),
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "tests": session.config._weightsync_outcomes,  # type: ignore[attr-defined]
+        "complete": exitstatus is not None,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tests": config._weightsync_outcomes,  # type: ignore[attr-defined]
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True))
+    if exitstatus is not None:
+        data["exitstatus"] = exitstatus
+    if running is not None:
+        data["running"] = running
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".partial")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, target)  # a reader never sees half a file

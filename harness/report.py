@@ -72,7 +72,7 @@ def verdict(results: dict[str, dict]) -> str:
         rec.get("status") in ("failed", "error") or res.get("exitstatus", 0) not in (0, 5)
         for res in results.values()
         for rec in res.get("tests", {}).values()
-    ) or any(res.get("exitstatus", 0) not in (0, 5) for res in results.values())
+    ) or any(res.get("exitstatus", 0) not in (0, 5) or not res.get("complete", True) for res in results.values())
     return "FAIL" if failed else "PASS"
 
 
@@ -160,8 +160,10 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
         md.append(f"| {inv} | " + " | ".join(cell(mat[inv].get(b)) for b in backends) + " |")
     failures = [(b, n, rec) for b in backends for n, rec in results[b].get("tests", {}).items()
                 if rec.get("status") in ("failed", "error")]
-    if failures:
+    stopped = [(b, results[b]["error"]) for b in backends if results[b].get("error")]
+    if failures or stopped:
         md += ["", "## Failures", ""]
+        md += [f"- **{b}**: {err}" for b, err in stopped]
         for b, n, rec in failures:
             md += [f"### {b}: `{n}`", "", "```", rec.get("message", "")[-1500:], "```", ""]
     examples = {b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -36,3 +38,28 @@ def test_report_header_names_what_is_under_test(pytester):
     result = _run(pytester, "--weightsync-backend=disk", "--weightsync-receivers=1", "-k", "special_values and F32")
     result.stdout.fnmatch_lines(["weightsync: backend=disk*", "weightsync:   capabilities=*", "weightsync: engine=*"])
     assert result.ret == 0, result.stdout.str()[-2000:]
+
+
+def test_results_file_survives_a_killed_run_and_names_the_test_it_stopped_in(pytester):
+    # A hang killed by a timeout (or a lost GPU machine) must not erase what already passed.
+    pytester.makepyfile(
+        test_dies="""
+        import os, signal
+
+        def test_first_passes():
+            pass
+
+        def test_second_is_killed():
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    results = pytester.path / "results.json"
+    run = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--weightsync-backend=disk",
+                                        f"--weightsync-results={results}")
+    assert run.ret != 0, "the killed run reported success"
+    data = json.loads(results.read_text())
+    assert data["complete"] is False and data["running"].endswith("test_second_is_killed"), (
+        f"results of a killed run: complete={data.get('complete')}, running={data.get('running')}"
+    )
+    statuses = {k.rsplit("::", 1)[-1]: v.get("status") for k, v in data["tests"].items()}
+    assert statuses == {"test_first_passes": "passed"}, f"results of a killed run: {statuses}"
