@@ -30,6 +30,10 @@ def _suite_dir(name: str) -> Path:
     return Path(suites.__file__).parent / name
 
 
+#: Supervision of rank processes and the torchrun launch: they test the launcher with BroadcastBackend.
+BROADCAST_LAUNCHER_TESTS = ("test_supervision.py", "test_torchrun.py")
+
+
 def run_conformance(backend: str, engine: str, out: Path, profile: str, receivers: str) -> dict:
     """Run the conformance suite against one backend in a fresh interpreter; returns its results JSON."""
     results = out / f"conformance-{_slug(backend)}.json"
@@ -38,6 +42,9 @@ def run_conformance(backend: str, engine: str, out: Path, profile: str, receiver
         f"--weightsync-backend={backend}", f"--weightsync-engine={engine}", f"--weightsync-receivers={receivers}",
         f"--weightsync-results={results}", f"--junitxml={out / f'junit-{_slug(backend)}.xml'}",
     ]
+    if backend != "broadcast":  # these drive BroadcastBackend itself, whatever is selected: run them once
+        for test in BROADCAST_LAUNCHER_TESTS:
+            cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
     env = {**os.environ, "HYPOTHESIS_PROFILE": profile}
     log = out / f"pytest-{_slug(backend)}.log"
     with console.status(f"[bold]conformance[/] {backend}: running {shlex.join(cmd[3:5])} ..."), open(log, "w") as f:

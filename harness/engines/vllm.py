@@ -57,6 +57,7 @@ from harness.api import (
 )
 from harness.engines.vllm_layout import FusedLayout
 from harness.manifest import dtype_from_name
+from harness.lifecycle import FAILED, NEW, READY, UPDATING, Lifecycle
 from harness.paths.base import check_against_engine, manifest_of
 from harness.paths.disk import DiskSender
 
@@ -228,9 +229,6 @@ class VllmEngine(Engine, abc.ABC):
 
 
 # --------------------------------------------------------------------------------------------- receiver
-NEW, READY, UPDATING, FAILED = "new", "ready", "updating", "failed"
-
-
 class VllmReceiver(Receiver):
     """The harness lifecycle mapped one to one onto vLLM's, for `push()`.
 
@@ -246,51 +244,40 @@ class VllmReceiver(Receiver):
 
     def __init__(self, engine: VllmEngine):
         self.engine = engine
-        self._state = NEW
-        self._version: int | None = None
-        self._failure: str | None = None
+        self._lc = Lifecycle()
         self._mutex = threading.Lock()
 
     @property
     def state(self) -> str:
-        return self._state
+        return self._lc.state
 
     def rebind(self, engine: VllmEngine) -> None:
         with self._mutex:
             self.engine = engine
-            self._state, self._version, self._failure = NEW, None, None
+            self._lc.to(NEW)
 
     def init_transfer_engine(self, init_info: JSON) -> None:
         with self._mutex:
-            if self._state == UPDATING:
-                raise LifecycleError("init_transfer_engine during an update; finish it first")
-            if not isinstance(init_info, Mapping):
-                raise LifecycleError(f"init_info must be a mapping, got {type(init_info).__name__}")
+            self._lc.check_init(init_info)
             self.engine.init_weight_transfer_engine(dict(init_info))
-            self._state, self._version, self._failure = READY, None, None
+            self._lc.to(READY)
 
     def start_weight_update(self) -> None:
         with self._mutex:
-            if self._state == NEW:
-                raise LifecycleError("start_weight_update before init_transfer_engine")
-            if self._state in (UPDATING, FAILED):
-                raise LifecycleError("start_weight_update while an update is in progress")
+            self._lc.check_start()
+            if self._lc.failed:  # vLLM still holds the refused update open: close it first
+                self._close_open_update()
             self.engine.start_weight_update()
-            self._state, self._version, self._failure = UPDATING, None, None
+            self._lc.to(UPDATING)
 
     def update_weights(self, update_info: JSON) -> None:
         with self._mutex:
-            if self._state not in (UPDATING, FAILED):
-                raise LifecycleError(
-                    f"update_weights outside an update (state {self._state!r}); call start_weight_update"
-                )
+            self._lc.check_update()
             try:
-                if self._failure:
-                    raise LifecycleError(f"this update already failed: {self._failure}")
+                self._lc.check_not_failed()
                 manifest = manifest_of(update_info)
                 check_against_engine(self.engine, manifest)
-                if self._version is not None and manifest.version != self._version:
-                    raise VersionError(f"update mixes versions {self._version} and {manifest.version}")
+                self._lc.check_same_version(manifest.version)
                 if "path" not in update_info:
                     raise ManifestMismatch(
                         f"version {manifest.version}: update_info has no checkpoint 'path'"
@@ -299,52 +286,41 @@ class VllmReceiver(Receiver):
                     {"path": str(update_info["path"]), "manifest": update_info["manifest"]}
                 )
             except WeightSyncError as exc:
-                self._state, self._failure = FAILED, str(exc)
+                self._lc.fail(exc)
                 raise
-            self._version = manifest.version
+            self._lc.accepted(manifest.version)
 
     def finish_weight_update(self, version: int) -> None:
         with self._mutex:
-            if self._state == FAILED:
-                failure = self._failure
-                self._close_open_update()
-                raise LifecycleError(
-                    f"finish_weight_update({version}) after a failed update_weights: {failure}"
-                )
-            if self._state != UPDATING:
-                raise LifecycleError(f"finish_weight_update outside an update (state {self._state!r})")
-            if self._version is None:
-                raise LifecycleError(
-                    f"finish_weight_update({version}) with nothing received; call update_weights"
-                )
-            if version != self._version:
-                raise VersionError(
-                    f"finish_weight_update({version}) but the staged tensors are version {self._version}"
-                )
+            if self._lc.failed:
+                try:
+                    self.engine.discard_update()
+                finally:
+                    self._lc.check_finish(version)  # raises, naming why the update failed, and closes it
+            self._lc.check_finish(version)
             try:
                 self.engine.finish_weight_update(str(version))
             finally:
-                self._state, self._version, self._failure = READY, None, None
+                self._lc.to(READY)
             if self.reset_prefix_cache_after_commit:
                 self.engine.reset_prefix_cache()
 
     def abort_weight_update(self) -> None:
         with self._mutex:
-            if self._state == NEW:
-                raise LifecycleError("abort_weight_update before init_transfer_engine")
-            if self._state in (UPDATING, FAILED):
+            self._lc.check_abort()
+            if self._lc.state in (UPDATING, FAILED):
                 self._close_open_update()
-            self._state, self._version, self._failure = READY, None, None
+            self._lc.to(READY)
 
     def _close_open_update(self) -> None:
         try:
             self.engine.discard_update()
         finally:
-            self._state, self._version, self._failure = READY, None, None
+            self._lc.to(READY)
 
     def shutdown(self) -> None:
         with self._mutex:
-            self._state = NEW
+            self._lc.to(NEW)
 
 
 # --------------------------------------------------------------------------------------------- in-process

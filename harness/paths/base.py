@@ -13,19 +13,9 @@ from collections.abc import Mapping
 
 import torch
 
-from harness.api import (
-    JSON,
-    Engine,
-    LifecycleError,
-    ManifestMismatch,
-    Receiver,
-    VersionError,
-    WeightSyncError,
-)
+from harness.api import JSON, Engine, ManifestMismatch, Receiver, WeightSyncError
+from harness.lifecycle import NEW, READY, UPDATING, Lifecycle
 from harness.manifest import Manifest, dtype_name
-
-NEW, READY, UPDATING, FAILED = "new", "ready", "updating", "failed"
-
 
 def manifest_of(update_info: JSON) -> Manifest:
     if not isinstance(update_info, Mapping) or "manifest" not in update_info:
@@ -55,59 +45,46 @@ class StagingReceiver(Receiver, abc.ABC):
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._state = NEW
+        self._lc = Lifecycle()
         self._staged: dict[str, torch.Tensor] = {}
-        self._version: int | None = None
-        self._failure: str | None = None
         self._mutex = threading.Lock()
 
     @property
     def state(self) -> str:
-        return self._state
+        return self._lc.state
 
     def rebind(self, engine: Engine) -> None:
         """Deliver into another engine from now on (the transport stays up)."""
         with self._mutex:
             self.engine = engine
-            self._reset(READY if self._state != NEW else NEW)
+            self._reset(READY if self._lc.state != NEW else NEW)
 
     def _reset(self, state: str) -> None:
-        self._state = state
+        self._lc.to(state)
         self._staged = {}
-        self._version = None
-        self._failure = None
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: JSON) -> None:
         with self._mutex:
-            if self._state == UPDATING:
-                raise LifecycleError("init_transfer_engine during an update; finish it first")
-            if not isinstance(init_info, Mapping):
-                raise LifecycleError(f"init_info must be a mapping, got {type(init_info).__name__}")
+            self._lc.check_init(init_info)
             self._init(dict(init_info))
             self._reset(READY)
 
     def start_weight_update(self) -> None:
         with self._mutex:
-            if self._state == NEW:
-                raise LifecycleError("start_weight_update before init_transfer_engine")
-            if self._state == UPDATING:
-                raise LifecycleError("start_weight_update while an update is in progress")
+            self._lc.check_start()
             self._reset(UPDATING)
 
     def update_weights(self, update_info: JSON) -> None:
         with self._mutex:
-            if self._state not in (UPDATING, FAILED):
-                raise LifecycleError(f"update_weights outside an update (state {self._state!r}); call start_weight_update")
+            self._lc.check_update()
             try:
                 manifest = manifest_of(update_info)
                 refusal = None
                 try:
-                    if self._failure:
-                        raise LifecycleError(f"this update already failed: {self._failure}")
+                    self._lc.check_not_failed()
                     check_against_engine(self.engine, manifest)
-                    if self._version is not None and manifest.version != self._version:
-                        raise VersionError(f"update mixes versions {self._version} and {manifest.version}")
+                    self._lc.check_same_version(manifest.version)
                     twice = sorted(set(manifest.names) & set(self._staged))
                     if twice:
                         raise ManifestMismatch(f"version {manifest.version}: tensor(s) {twice[:5]} sent twice")
@@ -127,24 +104,17 @@ class StagingReceiver(Receiver, abc.ABC):
                         raise ManifestMismatch(f"version {manifest.version}: tensor {name!r} did not arrive")
                     manifest.verify(name, received[name])
             except WeightSyncError as exc:
-                # Nothing staged so far may be committed: the update is poisoned until a new start.
-                self._state, self._failure, self._staged = FAILED, str(exc), {}
+                self._lc.fail(exc)
+                self._staged = {}
                 raise
             self._staged.update(received)
-            self._version = manifest.version
+            self._lc.accepted(manifest.version)
 
     def finish_weight_update(self, version: int) -> None:
         with self._mutex:
-            if self._state == FAILED:
-                failure = self._failure
-                self._reset(READY)
-                raise LifecycleError(f"finish_weight_update({version}) after a failed update_weights: {failure}")
-            if self._state != UPDATING:
-                raise LifecycleError(f"finish_weight_update outside an update (state {self._state!r})")
-            if self._version is None:
-                raise LifecycleError(f"finish_weight_update({version}) with nothing received; call update_weights")
-            if version != self._version:
-                raise VersionError(f"finish_weight_update({version}) but the staged tensors are version {self._version}")
+            if self._lc.failed:
+                self._staged = {}
+            self._lc.check_finish(version)
             staged = self._staged
             try:
                 self.engine.commit_weights(staged, version)
@@ -153,8 +123,7 @@ class StagingReceiver(Receiver, abc.ABC):
 
     def abort_weight_update(self) -> None:
         with self._mutex:
-            if self._state == NEW:
-                raise LifecycleError("abort_weight_update before init_transfer_engine")
+            self._lc.check_abort()
             self._reset(READY)
 
     def shutdown(self) -> None:

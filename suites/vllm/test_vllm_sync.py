@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from harness.api import LifecycleError, ManifestMismatch, UnknownTensorError, VersionError
-from harness.deployment import push
+from harness.deployment import deliver, push
 from harness.paths.disk import DiskSender
 
 from .helpers import (
@@ -151,6 +151,31 @@ def test_partial_fused_group_is_refused_and_weights_kept(vllm_deployment, reques
         rerun(request),
     )  # fmt: skip
     assert "k_proj" in str(err) and "v_proj" in str(err), f"the error does not name the missing parts: {err}"
+
+
+def test_restart_after_a_refused_part_commits_only_the_new_update(vllm_deployment, request):
+    """A trainer that retries a refused update by starting again (no abort in between) gets a clean
+    update: nothing of the refused one survives, and the retry lands whole."""
+    dep, hint = vllm_deployment, rerun(request)
+    receivers = [h.receiver for h in dep.handles]
+    version = next_version(dep)
+    bad = fresh_weights(dep)
+    bad["model.norm.weight"] = bad["model.norm.weight"][:-1].clone()
+    before = snapshot(dep)
+    for r in receivers:
+        r.start_weight_update()
+    with pytest.raises(ManifestMismatch):
+        deliver(dep, version, bad)
+    dep.sender.complete(False)
+    assert_unchanged(dep, before, "after a refused part", hint)
+    good = fresh_weights(dep)
+    for r in receivers:
+        r.start_weight_update()  # restarts the failed update
+    deliver(dep, version, good)
+    for r in receivers:
+        r.finish_weight_update(version)
+    dep.sender.complete(True)
+    assert_serves(dep, version, good, "the restarted update", hint)
 
 
 @pytest.mark.parametrize(
