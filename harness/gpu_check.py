@@ -62,7 +62,7 @@ def copy_ceiling() -> list[dict]:
 
 
 def _bcast_worker(rank: int, port: int, queue) -> None:
-    from harness.paths.broadcast import make_group
+    from harness.paths.broadcast import broadcast_buckets, make_group
 
     torch.cuda.set_device(rank)
     group = make_group("nccl", "127.0.0.1", port, rank, 2, 120.0,
@@ -78,13 +78,12 @@ def _bcast_worker(rank: int, port: int, queue) -> None:
         manifest = Manifest.build(1, weights, 64 << 20)
         received: dict = {}
 
-        def path_once():
-            for b, bsize in enumerate(manifest.bucket_sizes):
-                bb = manifest.pack_bucket(b, weights, device="cuda") if rank == 0 else torch.empty(
-                    bsize, dtype=torch.uint8, device="cuda")
-                group.broadcast(bb, 0).wait()
-                if rank == 1:
-                    received.update(manifest.unpack_bucket(b, bb))
+        def path_once():  # the path's own double-buffered loop (harness.paths.broadcast)
+            buckets = ((manifest.pack_bucket(b, weights, device="cuda") if rank == 0 else
+                        torch.empty(bsize, dtype=torch.uint8, device="cuda"), f"bucket {b}")
+                       for b, bsize in enumerate(manifest.bucket_sizes))
+            broadcast_buckets(group, buckets,
+                              (lambda b, bb: received.update(manifest.unpack_bucket(b, bb))) if rank == 1 else None)
 
         t_path = _timed(path_once)
         wrong = sum(digest(received[e.name]) != e.digest for e in manifest.entries) if rank == 1 else 0

@@ -21,7 +21,7 @@ import time
 import torch
 
 from harness.manifest import Manifest, digest
-from harness.paths.broadcast import BroadcastReceiver, BroadcastSender, _broadcast
+from harness.paths.broadcast import BroadcastReceiver, BroadcastSender, broadcast_one
 from harness.registry import make_engine
 from harness.trainer import ReferenceTrainer
 
@@ -30,10 +30,10 @@ def _broadcast_json(group, obj, device) -> dict:
     """Rank 0's JSON object on every rank (length first, then the bytes)."""
     data = json.dumps(obj).encode() if obj is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    _broadcast(group, size, "update_info length")
+    broadcast_one(group, size, "update_info length")
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if obj is not None else torch.empty(
         int(size.item()), dtype=torch.uint8, device=device)
-    _broadcast(group, buf, "update_info")
+    broadcast_one(group, buf, "update_info")
     return json.loads(bytes(buf.cpu().numpy()))
 
 

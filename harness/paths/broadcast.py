@@ -45,11 +45,52 @@ def device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _broadcast(group, buf: torch.Tensor, what: str) -> None:
+def _start(group, buf: torch.Tensor, what: str):
     try:
-        group.broadcast(buf, 0).wait()
+        return group.broadcast(buf, 0)
     except RuntimeError as exc:
         raise TransferError(f"broadcast of {what} failed: {exc}") from None
+
+
+def _wait(work, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise TransferError(f"broadcast of {what} failed: {exc}") from None
+
+
+def broadcast_one(group, buf: torch.Tensor, what: str) -> None:
+    """One blocking broadcast from rank 0 (small control messages)."""
+    _wait(_start(group, buf, what), what)
+
+
+def broadcast_buckets(group, buckets, on_arrival=None) -> None:
+    """Broadcast a sequence of (buffer, label) pairs, double-buffered: bucket b+1 is packed (sender) or
+    posted (receiver) while bucket b is on the wire, so at most two buckets are alive at a time.
+    `on_arrival(b, buf)` runs on each completed bucket in order (the receiver unpacks there)."""
+    pending = None  # (index, work, buf, label) of the bucket in flight
+    try:
+        for b, (buf, label) in enumerate(buckets):
+            work = _start(group, buf, label)
+            if pending is not None:
+                _finish(pending, on_arrival)
+            pending = (b, work, buf, label)
+        if pending is not None:
+            _finish(pending, on_arrival)
+            pending = None
+    finally:
+        if pending is not None:  # an error with a bucket still posted: let it end before its buffer goes
+            try:
+                pending[1].wait()
+            except RuntimeError:
+                pass
+
+
+def _finish(pending, on_arrival) -> None:
+    b, work, buf, label = pending
+    _wait(work, label)
+    if on_arrival is not None:
+        on_arrival(b, buf)
 
 
 class BroadcastSender(Sender):
@@ -126,9 +167,11 @@ class BroadcastSender(Sender):
         manifest, tensors = self._prepared
         self._prepared = None
         group = self._wait_group()
-        for b in range(len(manifest.bucket_sizes)):
-            buf = manifest.pack_bucket(b, tensors, device=self.device)
-            _broadcast(group, buf, f"version {manifest.version} bucket {b}/{len(manifest.bucket_sizes)}")
+        n = len(manifest.bucket_sizes)
+        broadcast_buckets(group, (
+            (manifest.pack_bucket(b, tensors, device=self.device), f"version {manifest.version} bucket {b}/{n}")
+            for b in range(n)
+        ))
 
     def shutdown(self) -> None:
         self._group = None
@@ -164,10 +207,13 @@ class BroadcastReceiver(StagingReceiver):
         if self._group is None:
             raise TransferError("broadcast receiver has no group; init_transfer_engine first")
         out: dict[str, torch.Tensor] = {}
-        for b, size in enumerate(manifest.bucket_sizes):
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            _broadcast(self._group, buf, f"version {manifest.version} bucket {b}/{len(manifest.bucket_sizes)}")
-            out.update(manifest.unpack_bucket(b, buf.cpu()))
+        n = len(manifest.bucket_sizes)
+        broadcast_buckets(
+            self._group,
+            ((torch.empty(size, dtype=torch.uint8, device=self.device), f"version {manifest.version} bucket {b}/{n}")
+             for b, size in enumerate(manifest.bucket_sizes)),
+            lambda b, buf: out.update(manifest.unpack_bucket(b, buf.cpu())),
+        )
         return out
 
     def _shutdown(self) -> None:
