@@ -170,9 +170,13 @@ class DeploymentPool:
         self.workdir = workdir
         self._deployments: dict[tuple[str, int], Deployment] = {}
 
+    def workdir_of(self, name: str, n: int) -> Path:
+        """The working directory the deployment of (backend, receiver count) was given."""
+        return self.workdir / f"{name.replace(':', '_').replace('/', '_')}-{n}rx"
+
     def get(self, name: str, n: int) -> Deployment:
         if (name, n) not in self._deployments:
-            wd = self.workdir / f"{name.replace(':', '_').replace('/', '_')}-{n}rx"
+            wd = self.workdir_of(name, n)
             wd.mkdir(parents=True, exist_ok=True)
             self._deployments[(name, n)] = self.sel.backends[name].deploy(n, None, str(wd), engine=self.sel.engine)
         return self._deployments[(name, n)]

@@ -23,6 +23,7 @@ INVARIANTS: dict[str, str] = {
     "test_cache_invalidation": "4 caches invalidated",
     "test_patch": "2 patch: base + delta exact, wrong base / replay refused",
     "test_ipc_handles": "8 resources: handles released, stale/foreign refused",
+    "test_resources": "8 resources: nothing grows with the number of syncs",
     "test_supervision": "7 dead or hung rank fails in bounded time",
     "test_torchrun": "broadcast rank code under torchrun",
 }

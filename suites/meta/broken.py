@@ -3,6 +3,8 @@ If one of these ever passes, a check has gone soft."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from harness.engines.reference import ReferenceEngine
@@ -29,6 +31,24 @@ class SignLosingBackend(DiskBackend):
         return dep
 
 
+class LeakySender(DiskSender):
+    """Keeps every version directory and one open file per sync: both grow with the number of syncs."""
+
+    def prepare(self, version, named_tensors):
+        self.keep_versions = 10**9
+        self._leaked = [*getattr(self, "_leaked", []), open(os.devnull)]  # noqa: SIM115 - the leak under test
+        return super().prepare(version, named_tensors)
+
+
+class LeakyBackend(DiskBackend):
+    name = "broken-leaky"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine)
+        dep.sender.__class__ = LeakySender  # same state, leaky behaviour
+        return dep
+
+
 class StaleCacheEngine(ReferenceEngine):
     """Commits weights but keeps its prefix cache: serves KV computed with the old weights."""
 
@@ -44,3 +64,7 @@ def make_sign_losing_backend():
 
 def make_stale_cache_engine(spec=None):
     return StaleCacheEngine(extra=spec)
+
+
+def make_leaky_backend():
+    return LeakyBackend()

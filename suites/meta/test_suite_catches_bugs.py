@@ -28,6 +28,12 @@ def test_suite_fails_an_engine_that_keeps_a_stale_prefix_cache(pytester):
     result.stdout.fnmatch_lines(["*prefix cache not invalidated*"])
 
 
+def test_suite_fails_a_path_that_leaks_per_sync(pytester):
+    result = _run(pytester, "--weightsync-backend=suites.meta.broken:make_leaky_backend", "-k", "grows")
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*these grew*trainer fds*workdir files*"])
+
+
 def test_unknown_backend_is_a_usage_error_not_a_crash(pytester):
     result = _run(pytester, "--weightsync-backend=nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stderr.str()

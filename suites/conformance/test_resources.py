@@ -1,0 +1,76 @@
+"""Invariant 8 for every path: nothing grows with the number of syncs.
+
+A trainer syncs thousands of times; one fd, thread, child process, shared-memory segment or version
+directory left behind per sync ends the run. After a warm-up (pools and caches exist), SYNCS more
+syncs must leave the trainer and every rank process with no more open fds, threads and children,
+/dev/shm with no more entries, and the path's working directory no larger.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.deployment import push
+from harness.trainer import ReferenceTrainer
+
+pytestmark = pytest.mark.single_receiver
+
+WARMUP, SYNCS = 3, 40
+SLACK = 3  # fds/threads that come and go on their own (a pool thread still exiting); a leak is >= SYNCS
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass  # the thread ended meanwhile
+    return out
+
+
+def _tree_bytes(root: Path) -> tuple[int, int]:
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def _usage(deployment, workdir: Path) -> dict[str, int]:
+    pids = {"trainer": os.getpid()} | {f"rank {r.rank}": r.pid for r in getattr(deployment, "ranks", [])}
+    usage = {}
+    for who, pid in pids.items():
+        usage[f"{who} fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+        usage[f"{who} threads"] = len(os.listdir(f"/proc/{pid}/task"))
+        usage[f"{who} children"] = len(_children(pid))
+    usage["/dev/shm entries"] = len(os.listdir("/dev/shm"))
+    usage["workdir files"], usage["workdir bytes"] = _tree_bytes(workdir)
+    return usage
+
+
+def test_nothing_grows_with_the_number_of_syncs(deployment, deployment_pool, ws_target):
+    name, n = ws_target
+    workdir = deployment_pool.workdir_of(name, n)
+    trainer = ReferenceTrainer(deployment.handles[0].engine.weight_spec(), seed=8)
+    for _ in range(WARMUP):
+        push(deployment, *trainer.step())
+    before = _usage(deployment, workdir)
+    for _ in range(SYNCS):
+        push(deployment, *trainer.step())
+    after = _usage(deployment, workdir)
+    grown = {}
+    for key, was in before.items():
+        now = after[key]
+        if key == "workdir bytes":
+            limit = int(was * 1.05) + 4096  # same-sized versions: a kept-forever version adds ~1/keep
+        elif key in ("/dev/shm entries", "workdir files") or key.endswith("children"):
+            limit = was
+        else:
+            limit = was + SLACK
+        if now > limit:
+            grown[key] = f"{was} -> {now} (limit {limit})"
+    assert not grown, (
+        f"{name} with {n} receiver(s): after {SYNCS} more syncs these grew: {grown}\n"
+        f"rerun: pytest suites/conformance/test_resources.py --weightsync-backend={name}"
+    )
