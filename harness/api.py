@@ -209,6 +209,19 @@ class Capabilities:
     pause_modes: frozenset[str] = frozenset(PAUSE_MODES)
     arbitrary_tensors: bool = True  # engine accepts any (name, shape, dtype) spec, not only a fixed model
 
+    def restricted_by(self, engine: Capabilities) -> Capabilities:
+        """What a (backend, engine) pair can do: what both support."""
+        return Capabilities(
+            dtypes=self.dtypes & engine.dtypes,
+            delta=self.delta and engine.delta,
+            ipc=self.ipc and engine.ipc,
+            gpu=self.gpu and engine.gpu,
+            multi_receiver=self.multi_receiver and engine.multi_receiver,
+            max_receivers=min(self.max_receivers, engine.max_receivers),
+            pause_modes=self.pause_modes & engine.pause_modes,
+            arbitrary_tensors=self.arbitrary_tensors and engine.arbitrary_tensors,
+        )
+
     def describe(self) -> JSON:
         return {
             "dtypes": sorted(str(d).removeprefix("torch.") for d in self.dtypes),
@@ -220,6 +233,11 @@ class Capabilities:
             "pause_modes": sorted(self.pause_modes),
             "arbitrary_tensors": self.arbitrary_tensors,
         }
+
+
+#: What an engine factory that declares nothing allows: it restricts no backend. An engine factory
+#: may carry `factory.capabilities` (a Capabilities) to say what it cannot do (a fixed model, one dtype).
+ENGINE_UNRESTRICTED = Capabilities(delta=True, ipc=True, gpu=True, multi_receiver=True, max_receivers=1 << 30)
 
 
 # --------------------------------------------------------------------------------------------- engine

@@ -38,7 +38,7 @@ from harness.api import (
     WeightSpec,
     WeightSyncError,
 )
-from harness.registry import load_object, make_engine
+from harness.registry import engine_path, load_object, make_engine
 
 DEFAULT_RPC_TIMEOUT = 120.0
 POLL_INTERVAL = 0.05  # how often a waiting parent checks that the rank is still alive
@@ -119,7 +119,8 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
     os.dup2(log.fileno(), 2)
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
-    torch.set_num_threads(1)  # N ranks share the host's cores
+    if not getattr(load_object(engine_path(engine_name)), "manages_threads", False):
+        torch.set_num_threads(1)  # N ranks share the host's cores (an engine that binds its own is left alone)
     try:
         server = _RankServer(rank, receiver_path, engine_name, wire.spec_from_json(spec_json))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit

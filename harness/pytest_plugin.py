@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from harness.api import Backend, BackendError, Deployment
-from harness.registry import BUILTIN_BACKENDS, engine_path, resolve_backend
+from harness.api import ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities, Deployment
+from harness.registry import BUILTIN_BACKENDS, engine_capabilities, engine_path, resolve_backend
 
 NOT_SUPPORTED = "NOT_SUPPORTED"
 
@@ -51,10 +51,15 @@ class Selection:
     backends: dict[str, Backend]
     engine: str
     receivers_option: str
+    engine_caps: Capabilities = ENGINE_UNRESTRICTED
+
+    def capabilities(self, name: str) -> Capabilities:
+        """What backend `name` can be tested for with this engine: what both claim."""
+        return self.backends[name].capabilities.restricted_by(self.engine_caps)
 
     def receivers(self, name: str) -> list[int]:
         if self.receivers_option == "auto":
-            return [2, 3] if self.backends[name].capabilities.multi_receiver else [1]
+            return [2, 3] if self.capabilities(name).multi_receiver else [1]
         return [int(x) for x in self.receivers_option.split(",") if x.strip()]
 
     def targets(self, single: bool = False) -> list[tuple[str, int]]:
@@ -98,7 +103,7 @@ def _selection(config: pytest.Config) -> Selection:
         names = [n.strip() for n in config.getoption("--weightsync-backend").split(",") if n.strip()]
         backends = {n: resolve_backend(n) for n in names}  # raises BackendError with a specific message
         engine = engine_path(config.getoption("--weightsync-engine"))
-        sel = Selection(backends, engine, config.getoption("--weightsync-receivers"))
+        sel = Selection(backends, engine, config.getoption("--weightsync-receivers"), engine_capabilities(engine))
         config._weightsync_selection = sel  # type: ignore[attr-defined]
     return sel
 
@@ -106,7 +111,7 @@ def _selection(config: pytest.Config) -> Selection:
 def pytest_configure(config: pytest.Config) -> None:
     # registered here, not only in pyproject.toml, so the suites run from any rootdir (pytest --pyargs)
     for line in (
-        "requires(*caps): capabilities the backend must claim (else NOT_SUPPORTED)",
+        "requires(*caps): capabilities the backend and the engine must claim (else NOT_SUPPORTED)",
         "single_receiver: run with the smallest receiver count only",
         "multiproc: spawns rank processes",
         "slow: long-running tier, excluded from the default run",
@@ -125,10 +130,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     sel = _selection(config)
     lines = []
     for name, b in sel.backends.items():
-        caps = json.dumps(b.capabilities.describe(), sort_keys=True)
+        caps = json.dumps(sel.capabilities(name).describe(), sort_keys=True)
         lines.append(f"weightsync: backend={name} ({type(b).__module__}.{type(b).__name__}) receivers={sel.receivers(name)}")
         lines.append(f"weightsync:   capabilities={caps}")
     lines.append(f"weightsync: engine={sel.engine} hypothesis profile={settings._current_profile}")  # noqa: SLF001
+    if sel.engine_caps is not ENGINE_UNRESTRICTED:
+        lines.append(f"weightsync:   engine limits={json.dumps(sel.engine_caps.describe(), sort_keys=True)} "
+                     "(capabilities above are what backend and engine both claim)")
     return lines
 
 
@@ -139,12 +147,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("ws_target", targets, ids=[f"{b}-{n}rx" for b, n in targets])
 
 
-def require(backend: Backend, *caps: str) -> None:
-    """Skip as NOT_SUPPORTED unless the backend claims every capability in `caps`."""
-    c = backend.capabilities
+def require(sel: Selection, name: str, *caps: str) -> None:
+    """Skip as NOT_SUPPORTED unless the backend and the engine claim every capability in `caps`."""
+    c = sel.capabilities(name)
     missing = [cap for cap in caps if not getattr(c, cap)]
     if missing:
-        pytest.skip(f"{NOT_SUPPORTED}: backend {backend.name!r} does not claim {missing}")
+        by = f"backend {name!r}" if sel.engine_caps is ENGINE_UNRESTRICTED else f"backend {name!r} with engine {sel.engine!r}"
+        pytest.skip(f"{NOT_SUPPORTED}: {by} does not claim {missing}")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -153,13 +162,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if not target:
         return
     name, n = target
-    backend = sel.backends[name]
+    caps = sel.capabilities(name)
     for mark in item.iter_markers("requires"):
-        require(backend, *mark.args)
-    if n > 1 and not backend.capabilities.multi_receiver:
-        pytest.skip(f"{NOT_SUPPORTED}: backend {name!r} does not claim multi_receiver")
-    if n > backend.capabilities.max_receivers:
-        pytest.skip(f"{NOT_SUPPORTED}: {n} receivers > max_receivers {backend.capabilities.max_receivers}")
+        require(sel, name, *mark.args)
+    if n > 1 and not caps.multi_receiver:
+        pytest.skip(f"{NOT_SUPPORTED}: backend {name!r} (with engine {sel.engine!r}) does not claim multi_receiver")
+    if n > caps.max_receivers:
+        pytest.skip(f"{NOT_SUPPORTED}: {n} receivers > max_receivers {caps.max_receivers}")
 
 
 class DeploymentPool:
@@ -196,6 +205,12 @@ def selection(pytestconfig: pytest.Config) -> Selection:
 def backend(selection: Selection, ws_target) -> Backend:
     """The backend under test for this test item."""
     return selection.backends[ws_target[0]]
+
+
+@pytest.fixture
+def capabilities(selection: Selection, ws_target) -> Capabilities:
+    """What this test may exercise: what the backend under test and the engine both claim."""
+    return selection.capabilities(ws_target[0])
 
 
 @pytest.fixture
@@ -274,7 +289,7 @@ def _write_results(config: pytest.Config, running: str | None = None, exitstatus
         "backend": ",".join(names),
         "engine": sel.engine,
         "receivers": {n: sel.receivers(n) for n in names},
-        "capabilities": {n: sel.backends[n].capabilities.describe() for n in names},
+        "capabilities": {n: sel.capabilities(n).describe() for n in names},
         "hypothesis_profile": settings._current_profile,  # noqa: SLF001
         "complete": exitstatus is not None,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from harness.api import DEFAULT_ENGINE, Backend, BackendError, Engine, WeightSpec
+from harness.api import DEFAULT_ENGINE, ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities, Engine, WeightSpec
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "disk": "harness.paths.disk:make_backend",
@@ -67,3 +67,11 @@ def engine_path(name: str | None) -> str:
 def make_engine(name: str | None, spec: WeightSpec | None) -> Engine:
     factory: Callable[[WeightSpec | None], Engine] = load_object(engine_path(name))
     return factory(spec)
+
+
+def engine_capabilities(name: str | None) -> Capabilities:
+    """What the engine factory declares (`factory.capabilities`); one that declares nothing restricts nothing."""
+    caps = getattr(load_object(engine_path(name)), "capabilities", ENGINE_UNRESTRICTED)
+    if not isinstance(caps, Capabilities):
+        raise BackendError(f"engine {name!r}: its factory's 'capabilities' is a {type(caps).__name__}, not Capabilities")
+    return caps

@@ -19,6 +19,7 @@ checkpoint name; `read_live` gives the same by vLLM's fused names (plus a tied L
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 import os
 import re
@@ -36,7 +37,7 @@ from harness.api import (
     JSON,
     PAUSE_MODES,
     BackendError,
-    Capabilities,
+    ENGINE_UNRESTRICTED,
     Deployment,
     Engine,
     EngineHandle,
@@ -623,12 +624,18 @@ def make_engine(spec: WeightSpec | None = None) -> InProcessVllm:
     return engine
 
 
-VLLM_CAPABILITIES = Capabilities(
-    dtypes=frozenset({torch.float32}),
-    multi_receiver=False,
+#: What real vLLM can be tested for through the generic suites (read by the plugin from the factory).
+VLLM_CAPABILITIES = dataclasses.replace(
+    ENGINE_UNRESTRICTED,
+    dtypes=frozenset({torch.float32}),  # the fixture models are float32
+    multi_receiver=False,  # one vLLM per test run on 2 cores
     max_receivers=1,
     arbitrary_tensors=False,  # a fixed model: only its checkpoint names and shapes
 )
+make_engine.capabilities = VLLM_CAPABILITIES  # type: ignore[attr-defined]
+# vLLM's CPU worker binds its OpenMP threads and checks the kernels run with that count: a rank process
+# must not pin torch to one thread before vLLM starts ("thread_num == thread_num (2 vs. 1)").
+make_engine.manages_threads = True  # type: ignore[attr-defined]
 
 
 def private_tmpdir(base: str | os.PathLike | None = None) -> Path:

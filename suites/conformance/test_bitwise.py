@@ -15,19 +15,19 @@ pytestmark = pytest.mark.requires("arbitrary_tensors")
 
 
 @given(data=st.data())
-def test_full_update_is_bitwise_for_any_dtype_and_shape(deployment, backend, data, request, example_counter):
+def test_full_update_is_bitwise_for_any_dtype_and_shape(deployment, backend, capabilities, data, request, example_counter):
     """Random bit patterns (NaN payloads, -0.0, inf), 0-d, empty, odd and non-contiguous tensors."""
     example_counter()
-    weights = data.draw(weight_sets(dtypes=backend.capabilities.dtypes), label="weights")
+    weights = data.draw(weight_sets(dtypes=capabilities.dtypes), label="weights")
     deployment.reset(spec_of(weights))
     push_and_check(deployment, 1, weights, f"{backend.name} full update", rerun_hint(request))
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_name)
-def test_special_values_survive(deployment, backend, dtype, request):
+def test_special_values_survive(deployment, backend, capabilities, dtype, request):
     """NaNs with distinct payloads, both zeros and both infinities arrive with the same bits."""
-    if dtype not in backend.capabilities.dtypes:
-        pytest.skip(f"NOT_SUPPORTED: backend {backend.name!r} does not claim {dtype}")
+    if dtype not in capabilities.dtypes:
+        pytest.skip(f"NOT_SUPPORTED: backend {backend.name!r} (with this engine) does not claim {dtype}")
     weights = {"special.weight": special_values(dtype), "special.strided": special_values(dtype)[::2]}
     deployment.reset(spec_of(weights))
     push_and_check(deployment, 7, weights, f"{backend.name} special values {dtype_name(dtype)}", rerun_hint(request))

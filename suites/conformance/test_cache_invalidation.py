@@ -11,7 +11,6 @@ import pytest
 from fixtures.payloads import random_like_spec
 from harness.api import GenerationRequest
 from harness.deployment import push
-from harness.registry import make_engine
 
 pytestmark = pytest.mark.single_receiver
 
@@ -23,22 +22,21 @@ def _greedy(engine, rid, n=12):
     return c
 
 
-def test_generation_after_update_equals_a_fresh_engine(deployment, selection):
+def test_generation_after_update_equals_a_fresh_engine(deployment):
     engine = deployment.handles[0].engine
     spec = engine.weight_spec()
     _greedy(engine, "warm-1")
     _greedy(engine, "warm-2")  # now the prompt's prefix is cached under version 0
     new = random_like_spec(spec, seed=42)
     push(deployment, 1, new)
+    served = [_greedy(h.engine, f"after-{i}") for i, h in enumerate(deployment.handles)]
 
-    fresh = make_engine(selection.engine, None)
-    try:
-        fresh.commit_weights(new, 1)
-        want = _greedy(fresh, "fresh")
-    finally:
-        fresh.shutdown()
-    for i, h in enumerate(deployment.handles):
-        got = _greedy(h.engine, f"after-{i}")
+    # The same weights into fresh engines, nothing cached. The deployment's own engines are replaced
+    # rather than a second engine started beside them (two in-process vLLMs cannot share a process).
+    deployment.reset(None)
+    push(deployment, 1, new)
+    want = _greedy(deployment.handles[0].engine, "fresh")
+    for i, got in enumerate(served):
         assert got.token_ids == want.token_ids, (
             f"engine {i} after update: {got.token_ids}\nfresh engine with the same weights: {want.token_ids}\n"
             "stale cached state from version 0 was served (prefix cache not invalidated?)"

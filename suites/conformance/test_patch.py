@@ -15,7 +15,7 @@ from harness.deployment import push
 from harness.trainer import ReferenceTrainer
 from suites.conformance.helpers import assert_engines_hold, assert_unchanged, deliver_tampered, rerun_hint, snapshot
 
-pytestmark = pytest.mark.requires("delta")
+pytestmark = pytest.mark.requires("delta", "arbitrary_tensors")  # a bf16 policy beside the model
 
 # A bf16 policy riding beside the engine's model: the regime delta is for (most entries unchanged).
 POLICY_SPEC = {f"policy.{i}.weight": TensorSpec(shape, torch.bfloat16)
@@ -42,9 +42,9 @@ def _mutate(t: torch.Tensor, fraction: float, data) -> torch.Tensor:
 
 
 @given(data=st.data(), fraction=st.sampled_from([0.0, 0.01, 0.1, 0.5, 0.9, 1.0]) | st.floats(0, 1))
-def test_patch_on_base_reproduces_the_next_version(deployment, backend, data, fraction, request, example_counter):
+def test_patch_on_base_reproduces_the_next_version(deployment, backend, capabilities, data, fraction, request, example_counter):
     example_counter()
-    base = data.draw(weight_sets(dtypes=backend.capabilities.dtypes), label="base")
+    base = data.draw(weight_sets(dtypes=capabilities.dtypes), label="base")
     nxt = {n: _mutate(t, fraction, data) for n, t in base.items()}
     deployment.reset(spec_of(base))
     push(deployment, 1, base)

@@ -1,0 +1,49 @@
+"""The generic conformance suite (suites/conformance) with real vLLM as the engine.
+
+The same tests that certify the reference engine, run in a fresh interpreter with
+`--weightsync-engine=vllm`: every path delivers into vLLM through `commit_weights` (vLLM's own
+four-phase lifecycle), and whatever vLLM cannot be tested for (a fixed float32 model, one receiver)
+is reported NOT_SUPPORTED from the engine's declared capabilities, never skipped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+#: disk: files into the engine's process; broadcast: a collective into vLLM inside a rank process.
+BACKENDS = ["disk", "broadcast"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_generic_conformance_suite_passes_with_vllm_as_the_engine(backend, tmp_path):
+    results = tmp_path / "results.json"
+    cmd = [
+        sys.executable, "-m", "pytest", "suites/conformance", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+        "--weightsync-engine=vllm", f"--weightsync-backend={backend}", f"--weightsync-results={results}",
+        "--deselect", "suites/conformance/test_supervision.py", "--deselect", "suites/conformance/test_torchrun.py",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert results.exists(), f"the suite wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    data = json.loads(results.read_text())
+    outcomes = {node: rec.get("status") for node, rec in data["tests"].items()}
+    failed = {node: data["tests"][node].get("message", "")[-800:] for node, s in outcomes.items() if s == "failed"}
+    rerun = " ".join(cmd[2:])
+    assert not failed and proc.returncode == 0, (
+        f"{len(failed)} conformance test(s) failed with vLLM as the engine over {backend} (exit {proc.returncode}):\n"
+        + "\n".join(f"- {node}\n{msg}" for node, msg in failed.items())
+        + f"\nrerun: python -m {rerun}"
+    )
+    passed = sum(s == "passed" for s in outcomes.values())
+    not_supported = sum(s == "not_supported" for s in outcomes.values())
+    # The suite must have exercised vLLM, not reported everything NOT_SUPPORTED.
+    assert passed >= 25 and data["complete"], f"only {passed} passed ({not_supported} NOT_SUPPORTED): {outcomes}"
