@@ -39,13 +39,14 @@ class EnginePool:
         if engine_id not in self._deployments:
             from harness.engines.vllm import InProcessVllm, VllmDeployment
 
-            form, _, model = engine_id.partition("-")
+            form, _, rest = engine_id.partition("-")
+            model, _, dtype = rest.partition("@")  # "inproc-llama@bfloat16": serve in that dtype
             model_dir = self.model_dir(model)
             workdir = self.root / engine_id
             if form == "inproc":
 
                 def make():
-                    return InProcessVllm(model_dir, workdir / "engine")
+                    return InProcessVllm(model_dir, workdir / "engine", dtype=dtype or "float32")
 
             elif form == "server":
                 from harness.engines.vllm_server import ServerVllm
@@ -112,6 +113,12 @@ def inproc_tied(vllm_pool):
 @pytest.fixture(scope="session")
 def server_llama(vllm_pool):
     return vllm_pool.get("server-llama")
+
+
+@pytest.fixture(scope="session")
+def bf16_llama(vllm_pool):
+    """Llama served in bfloat16, as RL rollouts run (in-process form)."""
+    return vllm_pool.get("inproc-llama@bfloat16")
 
 
 @pytest.fixture(scope="session", params=["inproc-qwen2-tied", "server-qwen2-tied"])
