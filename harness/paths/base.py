@@ -112,9 +112,7 @@ class StagingReceiver(Receiver, abc.ABC):
 
     def finish_weight_update(self, version: int) -> None:
         with self._mutex:
-            if self._lc.failed:
-                self._staged = {}
-            self._lc.check_finish(version)
+            self._lc.check_finish(version)  # a failed update staged nothing (update_weights emptied it)
             staged = self._staged
             try:
                 self.engine.commit_weights(staged, version)
