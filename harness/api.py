@@ -72,6 +72,15 @@ class EngineStateError(WeightSyncError):
     """An engine call that its current state forbids (e.g. resume when not paused)."""
 
 
+class PartialCommitError(TransferError):
+    """finish_weight_update failed on some engines after others committed: the engines now serve
+    different versions. `versions` lists what each engine serves (None: it could not be asked)."""
+
+    def __init__(self, message: str, versions: list[int | None]):
+        super().__init__(message)
+        self.versions = versions
+
+
 # --------------------------------------------------------------------------------------------- requests
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
@@ -339,6 +348,10 @@ class Sender(abc.ABC):
     def reset(self) -> None:  # noqa: B027 - optional hook
         """The engines were replaced by fresh ones: forget the versions sent so far."""
 
+    def reset_base(self) -> None:  # noqa: B027 - optional hook
+        """The engines may hold different versions (a restarted rank, a partial commit): assume
+        nothing about them; the next prepare() sends every tensor whole."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
 
@@ -376,11 +389,41 @@ class EngineHandle:
     engine: Engine
 
 
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """A process of a deployment that the harness may signal (kill, stop) to inject a fault."""
+
+    name: str  # how errors name it, e.g. "rank 2"
+    pid: int
+    log_path: str | None = None
+
+
+#: The timeout a deployment honours when its backend declares none.
+DEFAULT_TIMEOUT_S = 60.0
+
+
 class Deployment(abc.ABC):
-    """One trainer-side Sender wired to N engines by one path; what a backend factory builds."""
+    """One trainer-side Sender wired to N engines by one path; what a backend factory builds.
+
+    What fault injection needs from any backend: `timeout_s` (the declared bound: a data-plane wait
+    or a lifecycle call that does not complete in it fails, naming the party), `processes()` (the
+    receiver ranks, as processes the harness can signal) and `recover()` (after a failed sync, make
+    the next one possible without a redeploy by hand)."""
 
     sender: Sender
     handles: list[EngineHandle]
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    needs_recovery: bool = False  # set by push() when a sync failed with anything but a clean refusal
+
+    def processes(self) -> list[RankInfo]:
+        """The receiver ranks in the order of `handles` (empty: engines live in the trainer)."""
+        return []
+
+    def recover(self) -> None:  # noqa: B027 - in-process deployments have nothing to rebuild
+        """Called by push() before the sync that follows a failed one: restart dead ranks (their
+        engines start at version 0), rebuild the data plane, and make the sender assume nothing
+        about what the engines hold (delta falls back to a full sync)."""
+        self.sender.reset_base()
 
     @abc.abstractmethod
     def reset(self, spec: WeightSpec | None = None) -> None:

@@ -1,57 +1,44 @@
-"""Deployments: a Sender wired to N engines, and the one driver that pushes a version through it."""
+"""The one driver that pushes a version through a deployment, as a trainer does on every step.
+
+A failed push leaves every engine on the version it had (or, if finish failed part-way, raises
+PartialCommitError naming what each engine serves) and marks the deployment for recovery: the next
+push first calls `deployment.recover()` (dead ranks restarted, data plane rebuilt, delta base
+forgotten), so a trainer never has to redeploy by hand.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
-from harness.api import JSON, Deployment, Engine, EngineHandle, Sender, TransferError, WeightSpec, WeightSyncError
-from harness.paths.base import StagingReceiver
-from harness.registry import make_engine
+from harness.api import (
+    JSON,
+    Deployment,
+    EngineHandle,
+    LifecycleError,
+    ManifestMismatch,
+    PartialCommitError,
+    TransferError,
+    UnknownTensorError,
+    VersionError,
+    WeightSyncError,
+)
 
-
-class LocalDeployment(Deployment):
-    """Engines and receivers in this process (disk, and any path whose receiver needs no rank)."""
-
-    def __init__(
-        self,
-        sender: Sender,
-        receiver_cls: Callable[[Engine], StagingReceiver],
-        n_receivers: int,
-        spec: WeightSpec | None,
-        engine: str | None,
-    ):
-        self.sender = sender
-        self._engine_name = engine
-        self.init_info = sender.init()
-        self.handles = []
-        for _ in range(n_receivers):
-            receiver = receiver_cls(make_engine(engine, spec))
-            receiver.init_transfer_engine(self.init_info)
-            self.handles.append(EngineHandle(receiver, receiver.engine))
-
-    def reset(self, spec: WeightSpec | None = None) -> None:
-        self.sender.reset()
-        for h in self.handles:
-            h.engine.shutdown()
-            h.engine = make_engine(self._engine_name, spec)
-            h.receiver.rebind(h.engine)  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.receiver.shutdown()
-            h.engine.shutdown()
-        self.sender.shutdown()
+#: Errors that say the engines refused what was sent, with every party alive and the data plane drained:
+#: nothing to rebuild afterwards.
+REFUSALS = (ManifestMismatch, VersionError, LifecycleError, UnknownTensorError)
 
 
 def deliver(
-    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float = 120.0
+    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None
 ) -> JSON:
     """prepare(), then the data plane: transmit on the sender while every receiver runs
-    update_weights. Re-raises the first error once every party has returned (or `timeout` passed).
+    update_weights. Once every party has returned (or `timeout`, default twice the deployment's,
+    passed) raises the most telling error: a transfer failure (it names the rank) before a refusal.
     Returns the update_info that was delivered."""
+    timeout = 2 * deployment.timeout_s if timeout is None else timeout
     handles = deployment.handles
     update_info = deployment.sender.prepare(version, named_tensors)
     pool = cf.ThreadPoolExecutor(max_workers=len(handles) + 1, thread_name_prefix="deliver")
@@ -60,39 +47,72 @@ def deliver(
     _, pending = cf.wait(futures, timeout=timeout)
     pool.shutdown(wait=False)  # a stuck party must not hang the trainer; the error says who
     if pending:
-        raise TransferError(f"delivery of version {version}: {len(pending)} part(ies) still running after {timeout}s")
-    for f in futures:
-        if f.exception() is not None:
-            raise f.exception()
+        who = ["the sender" if futures.index(f) == 0 else f"receiver {futures.index(f) - 1}" for f in pending]
+        raise TransferError(f"delivery of version {version}: {', '.join(who)} still running after {timeout:g}s")
+    errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
+    if errors:
+        raise _most_telling(errors)
     return update_info
 
 
+def _most_telling(errors: list[tuple[int, BaseException]]) -> BaseException:
+    """The trainer's own exception (the root cause), else a transfer failure (it names the rank),
+    else the first refusal; the others are attached as notes."""
+    def rank(item):
+        i, exc = item
+        return (0 if i == 0 and not isinstance(exc, WeightSyncError) else 1 if isinstance(exc, TransferError) else 2, i)
+
+    errors = sorted(errors, key=rank)
+    primary = errors[0][1]
+    for i, exc in errors[1:]:
+        primary.add_note(f"also, {'the sender' if i == 0 else f'receiver {i - 1}'}: {type(exc).__name__}: {exc}")
+    return primary
+
+
 def push(
-    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float = 120.0
+    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None
 ) -> None:
-    """The full lifecycle, as a trainer drives it: start on every engine, deliver, finish(version)
-    everywhere. If any party fails, every receiver that started discards the update and the first
-    error is re-raised."""
-    started = []
+    """The full lifecycle, as a trainer drives it: recover from an earlier failure if needed, start on
+    every engine, deliver, finish(version) everywhere. If any party fails, every receiver that started
+    discards the update and the error is re-raised; nothing reports success while engines differ."""
+    if getattr(deployment, "needs_recovery", False):
+        deployment.recover()
+        deployment.needs_recovery = False
+    started: list[EngineHandle] = []
     try:
         for h in deployment.handles:
             h.receiver.start_weight_update()
             started.append(h)
         deliver(deployment, version, named_tensors, timeout)
-    except BaseException:
+    except BaseException as exc:
         # No engine may commit a version another engine refused: discard everywhere.
         _abort_all(started)
         deployment.sender.complete(False)
+        deployment.needs_recovery = not isinstance(exc, REFUSALS)
         raise
     for i, h in enumerate(deployment.handles):
         try:
             h.receiver.finish_weight_update(version)
-        except BaseException:
+        except BaseException as exc:
             _abort_all(deployment.handles[i + 1 :])
-            # engines before i committed, i and after did not: the sender may not assume either
             deployment.sender.complete(False)
-            raise
+            deployment.needs_recovery = True
+            if i == 0:  # nothing committed anywhere
+                raise
+            versions = [_version_of(h) for h in deployment.handles]
+            raise PartialCommitError(
+                f"finish_weight_update({version}) failed on engine {i} after engine(s) {list(range(i))} committed; "
+                f"engines now serve versions {versions} (the next push converges them): {type(exc).__name__}: {exc}",
+                versions,
+            ) from exc
     deployment.sender.complete(True)
+
+
+def _version_of(handle: EngineHandle) -> int | None:
+    try:
+        return handle.engine.weight_version
+    except WeightSyncError:  # a dead rank cannot say
+        return None
 
 
 def _abort_all(handles) -> None:

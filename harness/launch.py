@@ -23,12 +23,14 @@ import torch
 
 from harness import wire
 from harness.api import (
+    DEFAULT_TIMEOUT_S,
     JSON,
     Deployment,
     Engine,
     EngineHandle,
     GenerationRequest,
     PauseMode,
+    RankInfo,
     Receiver,
     RequestStream,
     Sender,
@@ -41,7 +43,30 @@ from harness.api import (
 from harness.registry import engine_path, load_object, make_engine
 
 DEFAULT_RPC_TIMEOUT = 120.0
+START_TIMEOUT = 600.0  # spawning a rank builds its engine (a real vLLM takes minutes on 2 cores)
+#: A lifecycle call gets this multiple of the deployment's timeout before its rank is killed: the data
+#: plane's own timeout fires first with its specific error; the kill is the backstop (a blocked read).
+RPC_SLACK = 1.5
 POLL_INTERVAL = 0.05  # how often a waiting parent checks that the rank is still alive
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exit code 3' or 'killed by SIGKILL': how a dead rank's end reads in an error."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def process_state(pid: int | None) -> str:
+    """The kernel's one-letter state of a process ('T': stopped by a signal), '?' if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 # ============================================================================ rank side
@@ -181,6 +206,7 @@ class RankProcess:
         spec: WeightSpec | None,
         log_dir: Path,
         timeout: float = DEFAULT_RPC_TIMEOUT,
+        start_timeout: float = START_TIMEOUT,
     ):
         self.rank = rank
         self.timeout = timeout
@@ -198,11 +224,16 @@ class RankProcess:
         self._lock = FifoLock()
         self._broken: str | None = None
         with self._lock:
-            self._reply("start", timeout)
+            self._reply("start", start_timeout)
 
     @property
     def pid(self) -> int | None:
         return self.process.pid
+
+    @property
+    def healthy(self) -> bool:
+        """Alive and answering: not dead, not killed by a timeout, its pipe intact."""
+        return self._broken is None and self.process.is_alive()
 
     def log_tail(self, n: int = 20) -> str:
         try:
@@ -220,7 +251,7 @@ class RankProcess:
                     self._conn.send_bytes(wire.tensors_to_bytes(tensors))
             except OSError as exc:  # BrokenPipe: the rank is gone
                 self.process.join(1.0)
-                self._broken = f"died with exit code {self.process.exitcode} before {op} ({exc})"
+                self._broken = f"died ({describe_exit(self.process.exitcode)}) before {op} ({exc})"
                 raise TransferError(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}") from None
             return self._reply(op, timeout or self.timeout)
 
@@ -228,14 +259,18 @@ class RankProcess:
         deadline = time.monotonic() + timeout
         while not self._conn.poll(POLL_INTERVAL):
             if not self.process.is_alive():
-                self._broken = f"died with exit code {self.process.exitcode} during {op}"
+                self._broken = f"died ({describe_exit(self.process.exitcode)}) during {op}"
                 raise TransferError(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                os.kill(self.process.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
-                self.process.join(1.0)
+                stopped = process_state(self.pid) == "T"  # SIGSTOPped: it cannot dump its stacks
+                if not stopped:
+                    os.kill(self.process.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
+                    self.process.join(1.0)
                 self.process.kill()
-                self._broken = f"no reply to {op} within {timeout}s (killed)"
-                raise TransferError(f"rank {self.rank} gave {self._broken}; stacks in {self.log_path}:\n{self.log_tail(40)}")
+                self.process.join(5.0)
+                why = "it was stopped (SIGSTOP)" if stopped else f"stacks in {self.log_path}"
+                self._broken = f"no reply to {op} within {timeout:g}s (killed; {why})"
+                raise TransferError(f"rank {self.rank} (pid {self.pid}) gave {self._broken}; log tail:\n{self.log_tail(40)}")
         try:
             header = wire.loads(self._conn.recv_bytes())
             tensors = wire.tensors_from_bytes(self._conn.recv_bytes()) if header.get("tensors") else None
@@ -362,10 +397,11 @@ class RemoteEngine(Engine):
 
 
 class RankDeployment(Deployment):
-    """A Sender in this process (rank 0) and N receiver ranks in spawned processes.
+    """A Sender in this process (rank 0) and N receiver ranks in spawned processes, supervised.
 
-    `connect(init_info_for_rank)` is run for every rank concurrently with the sender's own join,
-    because forming a process group is itself a collective."""
+    `connect()` runs `rank_init_info(init_info, rank)` for every rank concurrently with the sender's
+    own join, because forming a process group is itself a collective. `recover()` restarts the ranks
+    that died or were killed for not answering, then connects everyone again (a new group)."""
 
     def __init__(
         self,
@@ -376,37 +412,75 @@ class RankDeployment(Deployment):
         engine: str | None,
         workdir: str,
         rank_init_info: Callable[[JSON, int], JSON],
-        timeout: float = DEFAULT_RPC_TIMEOUT,
+        timeout: float = DEFAULT_TIMEOUT_S,
     ):
         self.sender = sender
-        log_dir = Path(workdir) / "ranks"
-        log_dir.mkdir(parents=True, exist_ok=True)
+        self.timeout_s = timeout
+        self.restarts = 0
+        self._receiver_path, self._engine, self._rank_init_info = receiver_path, engine, rank_init_info
+        self._spec = spec
+        self._log_dir = Path(workdir) / "ranks"
+        self._log_dir.mkdir(parents=True, exist_ok=True)
         self.ranks: list[RankProcess] = []
+        self.handles = []
         try:
             for i in range(n_receivers):
-                self.ranks.append(RankProcess(i + 1, receiver_path, engine, spec, log_dir, timeout))
+                self.ranks.append(self._spawn_rank(i + 1))
             self.handles = [EngineHandle(RemoteReceiver(r), RemoteEngine(r)) for r in self.ranks]
-            init_info = sender.init()
-            errors: list[BaseException] = []
-
-            def init_one(h: EngineHandle, rank: int) -> None:
-                try:
-                    h.receiver.init_transfer_engine(rank_init_info(init_info, rank))
-                except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
-                    errors.append(exc)
-
-            threads = [threading.Thread(target=init_one, args=(h, i + 1)) for i, h in enumerate(self.handles)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
+            self.connect()
         except BaseException:
             self.close()
             raise
 
+    def _spawn_rank(self, rank: int) -> RankProcess:
+        """Start receiver rank `rank` (first start and restarts); a subclass may place it elsewhere."""
+        return RankProcess(rank, self._receiver_path, self._engine, self._spec, self._log_dir,
+                           self.timeout_s * RPC_SLACK)
+
+    def connect(self) -> None:
+        """sender.init() and every rank's init_transfer_engine, concurrently; the first error is raised."""
+        init_info = self.sender.init()
+        errors: list[BaseException] = []
+
+        def init_one(h: EngineHandle, rank: int) -> None:
+            try:
+                h.receiver.init_transfer_engine(self._rank_init_info(init_info, rank))
+            except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=init_one, args=(h, r.rank)) for h, r in zip(self.handles, self.ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def processes(self) -> list[RankInfo]:
+        return [RankInfo(f"rank {r.rank}", r.pid, str(r.log_path)) for r in self.ranks]
+
+    def _restart_unhealthy(self) -> bool:
+        """Replace every rank that died or was killed; True if any was."""
+        restarted = False
+        for i, r in enumerate(self.ranks):
+            if not r.healthy:
+                r.stop(timeout=2.0)
+                fresh = self._spawn_rank(r.rank)
+                self.ranks[i] = fresh
+                self.handles[i].receiver, self.handles[i].engine = RemoteReceiver(fresh), RemoteEngine(fresh)
+                self.restarts += 1
+                restarted = True
+        return restarted
+
+    def recover(self) -> None:
+        self._restart_unhealthy()
+        self.sender.reset_base()  # a restarted engine holds version 0: delta must send whole tensors
+        self.connect()
+
     def reset(self, spec: WeightSpec | None = None) -> None:
+        self._spec = spec  # a rank restarted later gets the spec its siblings have
+        if self._restart_unhealthy():
+            self.connect()
         self.sender.reset()
         for r in self.ranks:
             r.call("reset", spec=wire.spec_to_json(spec))

@@ -16,11 +16,14 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from harness.api import JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest
 from harness.paths.base import StagingReceiver
 
-DEFAULT_TIMEOUT_S = 60.0
+
+# The trailer every transfer ends with: [status, bucket]. A trainer that fails mid-transfer still sends
+# every bucket (filler), so no rank is left blocked and the group stays usable, then says ABANDONED.
+COMPLETE, ABANDONED = 0, 1
 
 
 def make_group(backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float, store=None):
@@ -168,10 +171,25 @@ class BroadcastSender(Sender):
         self._prepared = None
         group = self._wait_group()
         n = len(manifest.bucket_sizes)
-        broadcast_buckets(group, (
-            (manifest.pack_bucket(b, tensors, device=self.device), f"version {manifest.version} bucket {b}/{n}")
-            for b in range(n)
-        ))
+        failure: list[tuple[int, BaseException]] = []
+
+        def buckets():
+            for b, size in enumerate(manifest.bucket_sizes):
+                buf = None
+                if not failure:
+                    try:
+                        buf = manifest.pack_bucket(b, tensors, device=self.device)
+                    except Exception as exc:  # noqa: BLE001 - the trainer failed; re-raised after the trailer
+                        failure.append((b, exc))
+                if buf is None:  # filler keeps every rank in step; the trailer tells them to drop it
+                    buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+                yield buf, f"version {manifest.version} bucket {b}/{n}"
+
+        broadcast_buckets(group, buckets())
+        trailer = torch.tensor([ABANDONED, failure[0][0]] if failure else [COMPLETE, n], dtype=torch.int64)
+        broadcast_one(group, trailer.to(self.device), f"version {manifest.version} trailer")
+        if failure:
+            raise failure[0][1]
 
     def shutdown(self) -> None:
         self._group = None
@@ -214,6 +232,14 @@ class BroadcastReceiver(StagingReceiver):
              for b, size in enumerate(manifest.bucket_sizes)),
             lambda b, buf: out.update(manifest.unpack_bucket(b, buf.cpu())),
         )
+        trailer = torch.zeros(2, dtype=torch.int64, device=self.device)
+        broadcast_one(self._group, trailer, f"version {manifest.version} trailer")
+        status, bucket = (int(x) for x in trailer.cpu())
+        if status != COMPLETE:
+            raise TransferError(
+                f"version {manifest.version}: the trainer abandoned the transfer at bucket {bucket}/{n} "
+                "(it raised); nothing was staged"
+            )
         return out
 
     def _shutdown(self) -> None:
@@ -242,7 +268,7 @@ class BroadcastBackend(Backend):
             engine=engine,
             workdir=workdir,
             rank_init_info=lambda info, rank: {**info, "rank": rank},
-            timeout=self.timeout_s * 2,
+            timeout=self.timeout_s,
         )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from harness.api import JSON, Backend, BaseMismatch, Capabilities, ManifestMismatch, Sender, WeightSpec
+from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, BaseMismatch, Capabilities, ManifestMismatch, Sender, WeightSpec
 from harness.manifest import Manifest, as_bytes, digest, from_bytes
 from harness.paths import delta_codec as codec
 from harness.paths.base import StagingReceiver, manifest_of
@@ -116,6 +116,9 @@ class DeltaSender(Sender):
         self._base = self._pending = None
         self.transport.reset()
 
+    def reset_base(self) -> None:
+        self._base = None  # the next prepare() sends every tensor dense
+
     def shutdown(self) -> None:
         self.transport.shutdown()
 
@@ -183,8 +186,9 @@ class DeltaBackend(Backend):
     """Built-in backends `delta` (over broadcast) and `delta-ipc` (over shared memory)."""
 
     def __init__(self, transport: str = "broadcast", max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION,
-                 device: str = "cpu"):
+                 device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S):
         self.transport = transport
+        self.timeout_s = timeout_s
         self.max_sparse_fraction = max_sparse_fraction
         self.device = device
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
@@ -196,7 +200,7 @@ class DeltaBackend(Backend):
 
         if self.transport == "broadcast":
             backend = "nccl" if self.device != "cpu" else "gloo"
-            transport: Sender = BroadcastSender(n_receivers, backend)
+            transport: Sender = BroadcastSender(n_receivers, backend, timeout_s=self.timeout_s)
             receiver_path, rank_info = "harness.paths.delta:DeltaReceiver", (lambda info, rank: {**info, "rank": rank})
         else:
             transport = IpcSender(self.device)
@@ -209,6 +213,7 @@ class DeltaBackend(Backend):
             engine=engine,
             workdir=workdir,
             rank_init_info=rank_info,
+            timeout=self.timeout_s,
         )
 
 

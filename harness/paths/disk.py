@@ -15,7 +15,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from harness.api import JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import Manifest
 from harness.paths.base import StagingReceiver
 
@@ -48,14 +48,39 @@ def shard_name(bucket: int) -> str:
     return f"shard-{bucket:05d}.safetensors"
 
 
+TMP_MARK = ".tmp-"  # a directory being written: `.<final name>.tmp-<writer pid>`
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_abandoned(root: Path) -> list[Path]:
+    """Remove the temporary directories of writers that died mid-write (their pid is gone)."""
+    removed = []
+    for d in root.glob(f".*{TMP_MARK}*"):
+        pid = d.name.rsplit(TMP_MARK, 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 def write_checkpoint(
     root: Path, manifest: Manifest, named_tensors: Mapping[str, torch.Tensor], attempt: int = 0
 ) -> Path:
-    """Write `manifest`'s version under `root` with the commit protocol above; returns its directory."""
+    """Write `manifest`'s version under `root` with the commit protocol above; returns its directory.
+    A failure (a full disk, an exception in the trainer) removes what was written and publishes nothing."""
     final = version_dir(root, manifest.version, attempt)
     if final.exists():
         raise TransferError(f"checkpoint {final} already exists; a checkpoint directory is written once")
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    tmp = root / f".{final.name}{TMP_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
@@ -78,6 +103,12 @@ def write_checkpoint(
         _fsync_dir(tmp)
         os.rename(tmp, final)
         _fsync_dir(root)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TransferError(
+            f"writing version {manifest.version} under {root} failed: {exc.strerror or exc} "
+            f"(errno {exc.errno}); nothing was published and the partial files were removed"
+        ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -116,6 +147,7 @@ class DiskSender(Sender):
 
     def init(self) -> JSON:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        sweep_abandoned(self.run_dir)  # a trainer killed mid-write left its temporary directory
         return {"root": str(self.root)}
 
     def reset(self) -> None:
@@ -128,6 +160,8 @@ class DiskSender(Sender):
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
         manifest = Manifest.build(version, named_tensors, self.shard_bytes)
         self._attempts += 1
+        while version_dir(self.run_dir, version, self._attempts).exists():  # a restarted trainer's earlier tries
+            self._attempts += 1
         directory = write_checkpoint(self.run_dir, manifest, named_tensors, self._attempts)
         self._written.append(directory)
         # old versions go once newer ones exist; readers of the newest are never disturbed
@@ -168,23 +202,28 @@ class DiskReceiver(StagingReceiver):
 
 
 class DiskBackend(Backend):
-    """Built-in backend `disk`: one writer, N in-process readers of a directory."""
+    """Built-in backend `disk`: one writer, N readers of a directory, each reader a rank process (a
+    read blocked on a hung filesystem holds only its rank, which the supervisor can kill)."""
 
     name = "disk"
     capabilities = Capabilities(multi_receiver=True, max_receivers=8)
 
-    def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.shard_bytes = shard_bytes
+        self.timeout_s = timeout_s
 
     def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
-        from harness.deployment import LocalDeployment
+        from harness.launch import RankDeployment
 
-        return LocalDeployment(
+        return RankDeployment(
             sender=DiskSender(Path(workdir) / "checkpoints", self.shard_bytes),
-            receiver_cls=DiskReceiver,
+            receiver_path="harness.paths.disk:DiskReceiver",
             n_receivers=n_receivers,
             spec=spec,
             engine=engine,
+            workdir=workdir,
+            rank_init_info=lambda info, rank: info,
+            timeout=self.timeout_s,
         )
 
 

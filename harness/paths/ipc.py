@@ -19,7 +19,7 @@ from multiprocessing import shared_memory
 
 import torch
 
-from harness.api import JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import Manifest
 from harness.paths.base import StagingReceiver
 
@@ -66,6 +66,18 @@ def open_cuda_handle(h: JSON) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
+def _reserve(shm: shared_memory.SharedMemory, name: str) -> None:
+    """Back every page of a new segment now: on a full /dev/shm this raises, where writing into a
+    sparse mapping would kill the trainer with SIGBUS."""
+    try:
+        os.posix_fallocate(shm._fd, 0, shm.size)  # noqa: SLF001 - the segment's own descriptor
+    except OSError as exc:
+        raise TransferError(
+            f"cannot reserve {shm.size} bytes of shared memory for segment {name}: {exc.strerror or exc} "
+            f"(errno {exc.errno}; /dev/shm full?); nothing was sent"
+        ) from exc
+
+
 class IpcSender(Sender):
     def __init__(self, device: str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.device = torch.device(device)
@@ -93,6 +105,7 @@ class IpcSender(Sender):
                 name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
                 shm = shared_memory.SharedMemory(name=name, create=True, size=TOKEN_BYTES + size)
                 self._segments.append(shm)
+                _reserve(shm, name)
                 view = torch.frombuffer(shm.buf, dtype=torch.uint8)
                 view[:TOKEN_BYTES].copy_(token_t)
                 manifest.pack_bucket(b, named_tensors, out=view[TOKEN_BYTES:])  # packed in place: one copy
@@ -183,9 +196,11 @@ class IpcBackend(Backend):
 
     name = "ipc"
 
-    def __init__(self, device: str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, device: str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self.device = device
         self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
         self.capabilities = Capabilities(ipc=True, multi_receiver=True, max_receivers=8, gpu=device != "cpu")
 
     def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
@@ -199,6 +214,7 @@ class IpcBackend(Backend):
             engine=engine,
             workdir=workdir,
             rank_init_info=lambda info, rank: info,
+            timeout=self.timeout_s,
         )
 
 
