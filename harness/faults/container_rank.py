@@ -24,16 +24,14 @@ import secrets
 import select
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
 from harness import wire
-from harness.api import JSON, EngineHandle, Sender, TransferError, WeightSpec
-from harness.launch import DEFAULT_RPC_TIMEOUT, FifoLock, RankDeployment, RankProcess, RemoteEngine, RemoteReceiver
+from harness.api import TransferError, WeightSpec
+from harness.launch import DEFAULT_RPC_TIMEOUT, RPC_SLACK, START_TIMEOUT, FifoLock, RankDeployment, RankProcess
 
 AUTHKEY_ENV = "WEIGHTSYNC_RANK_AUTHKEY"
 
@@ -116,6 +114,7 @@ class ContainerRankProcess(RankProcess):
         log_dir: Path,
         timeout: float = DEFAULT_RPC_TIMEOUT,
         container_options: dict[str, Any] | None = None,
+        start_timeout: float = START_TIMEOUT,
     ):
         self.rank = rank
         self.timeout = timeout
@@ -141,11 +140,11 @@ class ContainerRankProcess(RankProcess):
             )  # fmt: skip
             self.container = container
             self.process = ContainerProcess(host, container)
-            self._conn = self._accept(listener, timeout)
+            self._conn = self._accept(listener, start_timeout)
         finally:
             listener.close()
         with self._lock:
-            self._reply("start", timeout)
+            self._reply("start", start_timeout)
 
     def _accept(self, listener: Listener, timeout: float):
         sock = listener._listener._socket  # noqa: SLF001 - wait for the connection without blocking forever
@@ -186,67 +185,18 @@ class ContainerRankProcess(RankProcess):
 
 
 class ContainerRankDeployment(RankDeployment):
-    """RankDeployment whose receiver ranks are containers on `host` (a DockerHost).
+    """RankDeployment whose receiver ranks are containers on `host` (a DockerHost): the base class
+    starts (and after a failure restarts) every rank through `_spawn_rank`, which places it in a
+    fresh container. `container_options` go to every rank's `containers.run` (e.g. mem_limit)."""
 
-    Relies on RankDeployment._spawn_rank(rank) (first start and restarts after a failure). Until that
-    hook is on main, the base __init__ builds RankProcess directly, so this class runs its own copy of
-    that construction through _spawn_rank (`_init_without_spawn_hook`; delete it once the hook lands)."""
-
-    def __init__(
-        self,
-        host,
-        sender: Sender,
-        receiver_path: str,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        engine: str | None,
-        workdir: str,
-        rank_init_info: Callable[[JSON, int], JSON],
-        timeout: float = DEFAULT_RPC_TIMEOUT,
-        container_options: dict[str, Any] | None = None,
-    ):
+    def __init__(self, host, *args: Any, container_options: dict[str, Any] | None = None, **kwargs: Any):
         self.host = host
-        self._c_receiver_path, self._c_engine, self._c_spec = receiver_path, engine, spec
-        self._c_log_dir = Path(workdir) / "ranks"
-        self._c_log_dir.mkdir(parents=True, exist_ok=True)
-        self._c_timeout = timeout
         self.container_options = dict(container_options or {})
-        if "_spawn_rank" in vars(RankDeployment):
-            super().__init__(sender, receiver_path, n_receivers, spec, engine, workdir, rank_init_info, timeout)
-        else:
-            self._init_without_spawn_hook(sender, n_receivers, rank_init_info)
+        super().__init__(*args, **kwargs)
 
     def _spawn_rank(self, rank: int) -> RankProcess:
-        return ContainerRankProcess(self.host, rank, self._c_receiver_path, self._c_engine, self._c_spec,
-                                    self._c_log_dir, self._c_timeout, self.container_options)  # fmt: skip
-
-    def _init_without_spawn_hook(self, sender: Sender, n_receivers: int, rank_init_info) -> None:
-        # a copy of RankDeployment.__init__ (main at 9f5972e) with RankProcess(...) -> self._spawn_rank(rank)
-        self.sender = sender
-        self.ranks: list[RankProcess] = []
-        try:
-            for i in range(n_receivers):
-                self.ranks.append(self._spawn_rank(i + 1))
-            self.handles = [EngineHandle(RemoteReceiver(r), RemoteEngine(r)) for r in self.ranks]
-            init_info = sender.init()
-            errors: list[BaseException] = []
-
-            def init_one(h: EngineHandle, rank: int) -> None:
-                try:
-                    h.receiver.init_transfer_engine(rank_init_info(init_info, rank))
-                except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
-                    errors.append(exc)
-
-            threads = [threading.Thread(target=init_one, args=(h, i + 1)) for i, h in enumerate(self.handles)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
-        except BaseException:
-            self.close()
-            raise
+        return ContainerRankProcess(self.host, rank, self._receiver_path, self._engine, self._spec, self._log_dir,
+                                    self.timeout_s * RPC_SLACK, self.container_options)  # fmt: skip
 
 
 def deploy_broadcast(backend, host, n_receivers: int, spec: WeightSpec | None, workdir: str,
@@ -266,7 +216,7 @@ def deploy_broadcast(backend, host, n_receivers: int, spec: WeightSpec | None, w
         engine=engine,
         workdir=workdir,
         rank_init_info=lambda info, rank: {**info, "rank": rank},
-        timeout=backend.timeout_s * 2,
+        timeout=backend.timeout_s,
         container_options=container_options,
     )
 

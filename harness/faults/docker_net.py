@@ -414,7 +414,8 @@ class Disconnect(Fault):
     def heal(self) -> None:
         if not self.active:
             return
-        self.host.network.connect(self.container, ipv4_address=self.ip)
+        if self.host.state(self.container).get("Status") != "removed":  # a removed container has no link to restore
+            self.host.network.connect(self.container, ipv4_address=self.ip)
         self.active = False
 
 
