@@ -308,6 +308,11 @@ class DockerHost:
         self.containers.append(c)
         return c
 
+    def exec(self, container, argv: list[str], **kwargs: Any):
+        """exec_run in a running container; argv[0] == "python" runs this interpreter. Returns ExecResult."""
+        argv = [sys.executable if a == "python" and i == 0 else a for i, a in enumerate(argv)]
+        return container.exec_run(argv, **kwargs)
+
     def remove(self, container) -> None:
         try:
             container.remove(force=True)
