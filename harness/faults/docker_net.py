@@ -567,12 +567,19 @@ class OomKill(Fault):
             return []
         return [int(p) for p in children]
 
-    def inject(self) -> None:
-        if self.victim_is_main:
-            for pid in self._main_pids():  # the rank, under docker-init
-                Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
+    def inject(self, timeout: float = 30.0) -> None:
+        """Returns once the kernel killed the victim (the container's main process), so a fault injected
+        mid-transfer lands mid-transfer; TimeoutError if it survived `timeout` seconds."""
+        victims = self._main_pids() if self.victim_is_main else []
+        for pid in victims:  # the rank, under docker-init
+            Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
         self.active = True
-        self.container.exec_run([sys.executable, "-c", ALLOCATOR], detach=True)
+        self.host.exec(self.container, ["python", "-c", ALLOCATOR], detach=True)
+        deadline = time.monotonic() + timeout
+        while any(os.path.exists(f"/proc/{pid}") for pid in victims):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.description}: victim(s) {victims} still alive after {timeout}s")
+            time.sleep(0.02)
 
     def wait(self, timeout: float = 30.0) -> dict[str, Any]:
         """Block until the container exited; returns its State."""

@@ -299,13 +299,13 @@ def test_nemesis_oom_kill(docker_host):
 
 
 # ============================================================================ 2. broadcast under faults
-# 8 tensors x 2 MiB in 1 MiB buckets: 16 buckets, so a fault lands with data on the wire
+# 8 tensors x 2 MiB: 8 buckets (one tensor each), so a fault lands with data on the wire
 SPEC = {f"layers.{i}.weight": TensorSpec((512, 1024), torch.float32) for i in range(8)}
 
 
 class _TriggerOnPack(dict):
-    """The v2 payload: the first read of `key` after the trainer started transmitting (packing bucket 4
-    of 16 while bucket 3 is on the wire) injects the fault from the sender's thread."""
+    """The v2 payload: the first read of `key` after the trainer started transmitting (packing bucket 2
+    of 8 while bucket 1 is on the wire) injects the fault from the sender's thread."""
 
     def __init__(self, data, key, action):
         super().__init__(data)
@@ -391,7 +391,7 @@ def test_broadcast_fault_cell(kind, docker_host, tmp_path, monkeypatch):
         elapsed = time.monotonic() - t0
         dep.sender.transmit = transmit
         if payload.fired is None:
-            fault.inject()  # never reached bucket 4: inject now so the cell still tests what it names
+            fault.inject()  # never reached bucket 2: inject now so the cell still tests what it names
         if isinstance(fault, OomKill):
             state = fault.wait(30)
             assert state["OOMKilled"] and state["ExitCode"] == 137, f"the victim was not OOM-killed: {state}"
