@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -70,6 +70,10 @@ class TransferError(WeightSyncError):
 
 class EngineStateError(WeightSyncError):
     """An engine call that its current state forbids (e.g. resume when not paused)."""
+
+
+class RankFailure(TransferError):
+    """A receiver rank died, or was killed by its supervisor for not answering within the timeout."""
 
 
 class PartialCommitError(TransferError):
@@ -217,6 +221,7 @@ class Capabilities:
     max_receivers: int = 1
     pause_modes: frozenset[str] = frozenset(PAUSE_MODES)
     arbitrary_tensors: bool = True  # engine accepts any (name, shape, dtype) spec, not only a fixed model
+    interposable: bool = False  # the sender calls `Sender.tap` on every unit of payload (fault injection)
 
     def restricted_by(self, engine: Capabilities) -> Capabilities:
         """What a (backend, engine) pair can do: what both support."""
@@ -229,6 +234,7 @@ class Capabilities:
             max_receivers=min(self.max_receivers, engine.max_receivers),
             pause_modes=self.pause_modes & engine.pause_modes,
             arbitrary_tensors=self.arbitrary_tensors and engine.arbitrary_tensors,
+            interposable=self.interposable,  # a property of the data plane alone
         )
 
     def describe(self) -> JSON:
@@ -241,6 +247,7 @@ class Capabilities:
             "max_receivers": self.max_receivers,
             "pause_modes": sorted(self.pause_modes),
             "arbitrary_tensors": self.arbitrary_tensors,
+            "interposable": self.interposable,
         }
 
 
@@ -326,8 +333,26 @@ class Engine(abc.ABC):
 
 
 # --------------------------------------------------------------------------------------------- paths
+#: The data-plane interposer: called as tap(unit, data, location) on every unit of payload (a bucket,
+#: shard or segment: `data` its bytes as a uint8 tensor, `location` a file path or segment name or
+#: None) after the digests were computed and before the unit leaves the trainer. It may change bytes
+#: in place (corruption) or return a length: the bytes past it never arrive (a cut).
+Tap = Callable[[int, torch.Tensor, "str | None"], "int | None"]
+
+
+def apply_cut(keep: int | None, data: torch.Tensor) -> int | None:
+    """What a tap's answer means for a fixed-size unit: bytes past `keep` are lost (zeroed)."""
+    if keep is not None and 0 <= keep < data.numel():
+        data[keep:].zero_()
+        return keep
+    return None
+
+
 class Sender(abc.ABC):
-    """Trainer side of a sync path."""
+    """Trainer side of a sync path. A backend that claims `interposable` calls `self.tap`, when set,
+    on every unit of payload it sends (see Tap)."""
+
+    tap: Tap | None = None
 
     @abc.abstractmethod
     def init(self) -> JSON:
@@ -418,6 +443,10 @@ class Deployment(abc.ABC):
     def processes(self) -> list[RankInfo]:
         """The receiver ranks in the order of `handles` (empty: engines live in the trainer)."""
         return []
+
+    def healthy(self) -> bool:
+        """Every rank alive and answering (checked by push() before each sync; cheap)."""
+        return True
 
     def recover(self) -> None:  # noqa: B027 - in-process deployments have nothing to rebuild
         """Called by push() before the sync that follows a failed one: restart dead ranks (their

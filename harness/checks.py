@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import traceback
 from collections.abc import Mapping
 
 import torch
@@ -54,3 +56,80 @@ def assert_bitwise_equal(
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         hint = f"\nrerun: {rerun}" if rerun else ""
         raise AssertionError(f"{context}: {len(problems)} tensor(s) not bitwise equal:\n  {lines}{more}{hint}")
+
+
+# ------------------------------------------------------------------------------------------ fault cells
+@dataclasses.dataclass
+class CellObservation:
+    """What a fault cell's workload saw; `judge_cell` turns it into a verdict."""
+
+    fault: object  # the harness.faults.injectors.Fault that was injected
+    timeout_s: float
+    versions: dict[int, dict[str, torch.Tensor]]  # what the trainer pushed, by version
+    victim_name: str | None = None
+    error: BaseException | None = None  # what the faulty push raised (None: it succeeded)
+    detect_s: float = 0.0
+    after_fault: list = dataclasses.field(default_factory=list)  # per engine: (version, weights) or "down: ..."
+    recovery_error: BaseException | None = None
+    recover_s: float = 0.0
+    after_recovery: list = dataclasses.field(default_factory=list)
+
+
+def _error_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(exc))
+
+
+def _safety(engines: list, versions: dict[int, dict[str, torch.Tensor]], when: str) -> list[str]:
+    """Every engine that serves holds exactly one committed version, bit for bit."""
+    problems = []
+    for i, state in enumerate(engines):
+        if isinstance(state, str):
+            continue  # a rank that is down serves nothing
+        version, weights = state
+        if version not in versions:
+            if version != 0:
+                problems.append(f"{when}: engine {i} serves version {version}, which the trainer never pushed")
+            continue
+        mismatches = bitwise_mismatches(versions[version], weights)
+        if mismatches:
+            problems.append(f"{when}: engine {i} claims version {version} but holds other bytes: {mismatches[0]}"
+                            + (f" (+{len(mismatches) - 1} more tensors)" if len(mismatches) > 1 else ""))
+    return problems
+
+
+def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
+    """Jepsen's checker for one cell: ("ok" | "fail", reasons). Safety, bounded detection with a
+    specific error, agreement across engines, then recovery to the newest version."""
+    from harness.api import PartialCommitError, WeightSyncError
+
+    problems = _safety(obs.after_fault, obs.versions, "after the fault")
+    if obs.detect_s > 2 * obs.timeout_s:
+        problems.append(f"the faulty push took {obs.detect_s:.1f}s, over 2x the {obs.timeout_s:g}s timeout")
+    served = [s[0] for s in obs.after_fault if not isinstance(s, str)]
+    if obs.error is None:
+        if any(v != 2 for v in served):
+            problems.append(f"the push of version 2 reported success while engines serve versions {served}")
+    else:
+        text = _error_text(obs.error)
+        injected_trainer = isinstance(obs.error, RuntimeError) and "injected trainer failure" in text
+        if not isinstance(obs.error, WeightSyncError | MemoryError) and not injected_trainer:
+            problems.append(f"the failure is not a specific error: {type(obs.error).__name__}: {text[:300]}")
+        if getattr(obs.fault, "names_victim", False) and obs.victim_name and obs.victim_name not in text:
+            problems.append(f"the error does not name the faulty receiver ({obs.victim_name}): {text[:300]}")
+        if len(set(served)) > 1 and not isinstance(obs.error, PartialCommitError):
+            problems.append(f"engines serve versions {served} after a failed push, and the error does not say so: "
+                            f"{type(obs.error).__name__}")
+        if isinstance(obs.error, PartialCommitError):
+            said = [v for v in obs.error.versions if v is not None]
+            if sorted(said) != sorted(served):
+                problems.append(f"the error says engines serve {obs.error.versions}, they serve {served}")
+    if obs.recovery_error is not None:
+        problems.append(f"no recovery: the push of version 3 after heal failed: "
+                        f"{_error_text(obs.recovery_error).strip()[:400]}")
+    else:
+        down = [s for s in obs.after_recovery if isinstance(s, str)]
+        late = [s[0] for s in obs.after_recovery if not isinstance(s, str) and s[0] != 3]
+        if down or late:
+            problems.append(f"after recovery not every engine serves version 3: {[s if isinstance(s, str) else s[0] for s in obs.after_recovery]}")
+        problems += _safety(obs.after_recovery, obs.versions, "after recovery")
+    return ("fail", problems) if problems else ("ok", [])

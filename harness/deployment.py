@@ -20,6 +20,7 @@ from harness.api import (
     LifecycleError,
     ManifestMismatch,
     PartialCommitError,
+    RankFailure,
     TransferError,
     UnknownTensorError,
     VersionError,
@@ -56,11 +57,13 @@ def deliver(
 
 
 def _most_telling(errors: list[tuple[int, BaseException]]) -> BaseException:
-    """The trainer's own exception (the root cause), else a transfer failure (it names the rank),
-    else the first refusal; the others are attached as notes."""
+    """The trainer's own exception (the root cause), else a rank that died or hung (named), else
+    another transfer failure, else the first refusal; the others are attached as notes."""
     def rank(item):
         i, exc = item
-        return (0 if i == 0 and not isinstance(exc, WeightSyncError) else 1 if isinstance(exc, TransferError) else 2, i)
+        if i == 0 and not isinstance(exc, WeightSyncError):
+            return (0, i)
+        return (1 if isinstance(exc, RankFailure) else 2 if isinstance(exc, TransferError) else 3, i)
 
     errors = sorted(errors, key=rank)
     primary = errors[0][1]
@@ -75,7 +78,7 @@ def push(
     """The full lifecycle, as a trainer drives it: recover from an earlier failure if needed, start on
     every engine, deliver, finish(version) everywhere. If any party fails, every receiver that started
     discards the update and the error is re-raised; nothing reports success while engines differ."""
-    if getattr(deployment, "needs_recovery", False):
+    if deployment.needs_recovery or not deployment.healthy():
         deployment.recover()
         deployment.needs_recovery = False
     started: list[EngineHandle] = []

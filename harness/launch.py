@@ -30,6 +30,7 @@ from harness.api import (
     EngineHandle,
     GenerationRequest,
     PauseMode,
+    RankFailure,
     RankInfo,
     Receiver,
     RequestStream,
@@ -244,7 +245,7 @@ class RankProcess:
     def call(self, op: str, timeout: float | None = None, tensors: Mapping[str, torch.Tensor] | None = None, **args):
         with self._lock:
             if self._broken:
-                raise TransferError(f"rank {self.rank} is unusable: {self._broken}")
+                raise RankFailure(f"rank {self.rank} is unusable: {self._broken}")
             try:
                 self._conn.send_bytes(wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
                 if tensors is not None:
@@ -252,7 +253,7 @@ class RankProcess:
             except OSError as exc:  # BrokenPipe: the rank is gone
                 self.process.join(1.0)
                 self._broken = f"died ({describe_exit(self.process.exitcode)}) before {op} ({exc})"
-                raise TransferError(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}") from None
+                raise RankFailure(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}") from None
             return self._reply(op, timeout or self.timeout)
 
     def _reply(self, op: str, timeout: float):
@@ -260,7 +261,7 @@ class RankProcess:
         while not self._conn.poll(POLL_INTERVAL):
             if not self.process.is_alive():
                 self._broken = f"died ({describe_exit(self.process.exitcode)}) during {op}"
-                raise TransferError(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}")
+                raise RankFailure(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 stopped = process_state(self.pid) == "T"  # SIGSTOPped: it cannot dump its stacks
                 if not stopped:
@@ -270,13 +271,13 @@ class RankProcess:
                 self.process.join(5.0)
                 why = "it was stopped (SIGSTOP)" if stopped else f"stacks in {self.log_path}"
                 self._broken = f"no reply to {op} within {timeout:g}s (killed; {why})"
-                raise TransferError(f"rank {self.rank} (pid {self.pid}) gave {self._broken}; log tail:\n{self.log_tail(40)}")
+                raise RankFailure(f"rank {self.rank} (pid {self.pid}) gave {self._broken}; log tail:\n{self.log_tail(40)}")
         try:
             header = wire.loads(self._conn.recv_bytes())
             tensors = wire.tensors_from_bytes(self._conn.recv_bytes()) if header.get("tensors") else None
         except (EOFError, OSError) as exc:
             self._broken = f"pipe closed during {op}: {exc}"
-            raise TransferError(f"rank {self.rank} {self._broken}; log tail:\n{self.log_tail()}") from None
+            raise RankFailure(f"rank {self.rank} {self._broken}; log tail:\n{self.log_tail()}") from None
         if not header["ok"]:
             raise wire.error_from_json(header["error"], f"rank {self.rank}")
         return tensors if tensors is not None else header["result"]
@@ -458,6 +459,9 @@ class RankDeployment(Deployment):
 
     def processes(self) -> list[RankInfo]:
         return [RankInfo(f"rank {r.rank}", r.pid, str(r.log_path)) for r in self.ranks]
+
+    def healthy(self) -> bool:
+        return all(r.healthy for r in self.ranks)
 
     def _restart_unhealthy(self) -> bool:
         """Replace every rank that died or was killed; True if any was."""

@@ -24,6 +24,7 @@ from harness.api import ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities
 from harness.registry import BUILTIN_BACKENDS, engine_capabilities, engine_path, resolve_backend
 
 NOT_SUPPORTED = "NOT_SUPPORTED"
+UNKNOWN = "UNKNOWN"  # a fault cell whose outcome could not be established (the nemesis could not act)
 
 settings.register_profile(
     "ci",
@@ -89,6 +90,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("WEIGHTSYNC_RECEIVERS", "auto"),
         help="comma-separated receiver counts for each test (auto: 2,3 when the backend claims "
         "multi_receiver, else 1)",
+    )
+    group.addoption(
+        "--weightsync-fault-seeds",
+        type=int,
+        default=int(os.environ.get("WEIGHTSYNC_FAULT_SEEDS", "1")),
+        help="seeds per fault cell (each draws its own fault point: receiver, delay, byte); default 1",
+    )
+    group.addoption(
+        "--weightsync-fault-seed",
+        type=int,
+        default=None,
+        help="run every fault cell with exactly this seed (the rerun line of a failed cell gives it)",
     )
     group.addoption(
         "--weightsync-results",
@@ -253,6 +266,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = outcome.get_result()
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         status = report.outcome
+        reason = ""
         if report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             status = "not_supported" if NOT_SUPPORTED in reason else "skipped"
@@ -261,6 +275,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         elif hasattr(report, "wasxfail"):
             status = "xpassed"
         rec = item.config._weightsync_outcomes.setdefault(item.nodeid, {})  # type: ignore[attr-defined]
+        if status == "skipped" and UNKNOWN in reason:
+            status = "unknown"  # a fault cell that could not run: never counted as passed
         rec.update(status=status, duration_s=round(report.duration, 3))
         if report.failed:
             rec["message"] = str(report.longrepr)[-2000:]

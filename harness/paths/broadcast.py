@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import DEFAULT_TIMEOUT_S, JSON, apply_cut, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest
 from harness.paths.base import StagingReceiver
 
@@ -179,6 +179,8 @@ class BroadcastSender(Sender):
                 if not failure:
                     try:
                         buf = manifest.pack_bucket(b, tensors, device=self.device)
+                        if self.tap is not None:
+                            apply_cut(self.tap(b, buf, None), buf)  # a collective moves whole buckets
                     except Exception as exc:  # noqa: BLE001 - the trainer failed; re-raised after the trailer
                         failure.append((b, exc))
                 if buf is None:  # filler keeps every rank in step; the trailer tells them to drop it
@@ -255,7 +257,8 @@ class BroadcastBackend(Backend):
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.capabilities = Capabilities(multi_receiver=True, max_receivers=16, gpu=backend == "nccl")
+        self.capabilities = Capabilities(multi_receiver=True, max_receivers=16, gpu=backend == "nccl",
+                                         interposable=True)
 
     def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
         from harness.launch import RankDeployment

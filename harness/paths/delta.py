@@ -88,6 +88,14 @@ class DeltaSender(Sender):
         self.history: list[DeltaStats] = []
         self.last_payload: dict[str, torch.Tensor] = {}  # what the last prepare() shipped (for replay tests)
 
+    @property
+    def tap(self):  # the patch travels on the transport's data plane: interpose there
+        return self.transport.tap
+
+    @tap.setter
+    def tap(self, tap) -> None:
+        self.transport.tap = tap
+
     def init(self) -> JSON:
         return self.transport.init()
 
@@ -193,7 +201,7 @@ class DeltaBackend(Backend):
         self.device = device
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
         self.capabilities = Capabilities(delta=True, ipc=transport == "ipc", multi_receiver=True, max_receivers=8,
-                                         gpu=device != "cpu")
+                                         gpu=device != "cpu", interposable=device == "cpu" or transport == "broadcast")
 
     def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
         from harness.launch import RankDeployment

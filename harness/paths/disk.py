@@ -15,7 +15,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Tap, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import Manifest
 from harness.paths.base import StagingReceiver
 
@@ -72,8 +72,19 @@ def sweep_abandoned(root: Path) -> list[Path]:
     return removed
 
 
+def _tap_file(tap: Tap, bucket: int, path: Path) -> None:
+    """Hand a written shard to the interposer as a shared mapping; a cut truncates the file."""
+    size = path.stat().st_size
+    data = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+    keep = tap(bucket, data, str(path))
+    del data
+    if keep is not None and 0 <= keep < size and path.is_file():
+        os.truncate(path, keep)
+
+
 def write_checkpoint(
-    root: Path, manifest: Manifest, named_tensors: Mapping[str, torch.Tensor], attempt: int = 0
+    root: Path, manifest: Manifest, named_tensors: Mapping[str, torch.Tensor], attempt: int = 0,
+    tap: Tap | None = None,
 ) -> Path:
     """Write `manifest`'s version under `root` with the commit protocol above; returns its directory.
     A failure (a full disk, an exception in the trainer) removes what was written and publishes nothing."""
@@ -97,17 +108,19 @@ def write_checkpoint(
             path = tmp / shard_name(bucket)
             safetensors.torch.save_file(shard, str(path), metadata={"version": str(manifest.version)})
             _fsync_file(path)
+            if tap is not None:
+                _tap_file(tap, bucket, path)
         mpath = tmp / MANIFEST_FILE
         mpath.write_text(manifest.dumps())
         _fsync_file(mpath)
         _fsync_dir(tmp)
         os.rename(tmp, final)
         _fsync_dir(root)
-    except OSError as exc:
+    except (OSError, safetensors.SafetensorError) as exc:  # ENOSPC comes as either
         shutil.rmtree(tmp, ignore_errors=True)
         raise TransferError(
-            f"writing version {manifest.version} under {root} failed: {exc.strerror or exc} "
-            f"(errno {exc.errno}); nothing was published and the partial files were removed"
+            f"writing version {manifest.version} under {root} failed: {getattr(exc, 'strerror', None) or exc}; "
+            "nothing was published and the partial files were removed"
         ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,7 +175,7 @@ class DiskSender(Sender):
         self._attempts += 1
         while version_dir(self.run_dir, version, self._attempts).exists():  # a restarted trainer's earlier tries
             self._attempts += 1
-        directory = write_checkpoint(self.run_dir, manifest, named_tensors, self._attempts)
+        directory = write_checkpoint(self.run_dir, manifest, named_tensors, self._attempts, self.tap)
         self._written.append(directory)
         # old versions go once newer ones exist; readers of the newest are never disturbed
         while len(self._written) > self.keep_versions:
@@ -206,7 +219,7 @@ class DiskBackend(Backend):
     read blocked on a hung filesystem holds only its rank, which the supervisor can kill)."""
 
     name = "disk"
-    capabilities = Capabilities(multi_receiver=True, max_receivers=8)
+    capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True)
 
     def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.shard_bytes = shard_bytes

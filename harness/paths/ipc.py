@@ -109,7 +109,10 @@ class IpcSender(Sender):
                 view = torch.frombuffer(shm.buf, dtype=torch.uint8)
                 view[:TOKEN_BYTES].copy_(token_t)
                 manifest.pack_bucket(b, named_tensors, out=view[TOKEN_BYTES:])  # packed in place: one copy
-                del view  # no exported pointer may outlive the mapping
+                keep = self.tap(b, view[TOKEN_BYTES:], name) if self.tap is not None else None
+                del view
+                if keep is not None and 0 <= keep < size:
+                    os.ftruncate(shm._fd, TOKEN_BYTES + keep)  # noqa: SLF001 - the segment ends early  # no exported pointer may outlive the mapping
                 buffers.append({"shm": name, "size": size})
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -201,7 +204,8 @@ class IpcBackend(Backend):
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.capabilities = Capabilities(ipc=True, multi_receiver=True, max_receivers=8, gpu=device != "cpu")
+        self.capabilities = Capabilities(ipc=True, multi_receiver=True, max_receivers=8, gpu=device != "cpu",
+                                         interposable=device == "cpu")
 
     def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
         from harness.launch import RankDeployment
@@ -233,3 +237,9 @@ def live_segments() -> list[str]:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX))
     except FileNotFoundError:
         return []
+
+
+def own_segments(pid: int | None = None) -> list[str]:
+    """Segments a trainer (this process by default) created and has not released."""
+    prefix = f"{SEGMENT_PREFIX}{pid or os.getpid()}-"
+    return [n for n in live_segments() if n.startswith(prefix)]

@@ -1,0 +1,178 @@
+"""One cell of the fault matrix: a workload (push v1 clean, push v2 under the fault, heal, push v3),
+then the checker's verdict (harness.checks.judge_cell). Jepsen's shape: client, nemesis, checker.
+
+    result = run_cell(backend, "disk", "receiver-kill", seed=7, workdir=tmp)
+    result.verdict   # "ok" | "fail" | "unknown" | "not_applicable", with the reasons
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from harness.api import Backend, Capabilities, RankInfo, TensorSpec
+from harness.checks import CellObservation, judge_cell
+from harness.deployment import push
+from harness.faults import engines as fault_engines
+from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, FaultContext
+from harness.launch import process_state
+from harness.paths.ipc import own_segments
+from harness.registry import engine_path
+
+#: Extra tensors every cell pushes beside the model: 8 MiB in 8 tensors, several buckets on every path.
+CELL_SPEC = {f"fault.payload.{i}": TensorSpec((256, 1024), torch.float32) for i in range(8)}
+DEFAULT_CELL_TIMEOUT_S = 3.0
+N_RECEIVERS = 2
+
+
+@dataclasses.dataclass
+class CellResult:
+    backend: str
+    fault: str
+    seed: int
+    verdict: str
+    reasons: list[str]
+    point: str = ""
+    error: str | None = None
+    detect_s: float | None = None  # the faulty push: until it returned
+    recover_s: float | None = None  # the push after heal: until every engine held the new version
+    timeout_s: float | None = None
+    log: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def with_timeout(backend: Backend, timeout_s: float) -> Backend:
+    """The backend with its declared timeout set to `timeout_s`, where it declares one."""
+    if hasattr(backend, "timeout_s"):
+        backend = copy.copy(backend)
+        backend.timeout_s = timeout_s
+    return backend
+
+
+def _weights(spec, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (0.2 * torch.randn(s.shape, generator=gen)).to(s.dtype) for n, s in spec.items()}
+
+
+def run_cell(
+    backend: Backend,
+    backend_name: str,
+    fault_kind: str,
+    seed: int,
+    workdir: Path,
+    engine: str | None = None,
+    timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
+    caps: Capabilities | None = None,
+) -> CellResult:
+    """Run one cell and judge it. Never raises for the system's faults: they are the verdict."""
+    caps = caps or backend.capabilities
+    fault = FAULTS[fault_kind]()
+    result = CellResult(backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s)
+    trigger_dir = workdir / "fault-triggers"
+    trigger_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[COMMIT_FAIL_DIR_ENV] = str(trigger_dir)  # ranks are spawned with this environment
+    os.environ[fault_engines.INNER_ENGINE_ENV] = engine_path(engine)
+    spec = CELL_SPEC if caps.arbitrary_tensors else None
+    try:
+        dep = with_timeout(backend, timeout_s).deploy(N_RECEIVERS, spec, str(workdir), engine="harness.faults.engines:make_engine")
+    except Exception as exc:  # noqa: BLE001 - a cell that cannot start is unknown, never ok
+        result.reasons = [f"deploy failed: {type(exc).__name__}: {exc}"]
+        return result
+    seen: dict[int, RankInfo] = {}
+    ctx = FaultContext(dep, workdir, random.Random(seed))
+    try:
+        reason = fault.applies(backend_name, caps, dep)
+        if reason:
+            result.verdict, result.reasons = "not_applicable", [reason]
+            return result
+        model = dep.handles[0].engine.weight_spec()
+        versions = {v: _weights(model, seed * 10 + v) for v in (1, 2, 3)}
+        seen.update({p.pid: p for p in dep.processes()})
+        try:
+            push(dep, 1, versions[1])
+        except Exception as exc:  # noqa: BLE001
+            result.reasons = [f"the clean push of version 1 failed before any fault: {type(exc).__name__}: {exc}"]
+            return result
+        obs = CellObservation(fault=fault, timeout_s=timeout_s, versions=versions)
+        try:
+            fault.setup(ctx)
+            tensors = fault.arm(ctx, versions[2])
+        except Exception as exc:  # noqa: BLE001 - the nemesis could not act: unknown
+            result.reasons = [f"the fault could not be set up: {type(exc).__name__}: {exc}"]
+            return result
+        obs.victim_name = dep.processes()[ctx.victim].name if dep.processes() else None
+        t0 = time.monotonic()
+        try:
+            push(dep, 2, tensors)
+        except Exception as exc:  # noqa: BLE001 - the failure is what the checker judges
+            obs.error = exc
+        obs.detect_s = time.monotonic() - t0
+        fault.disarm(ctx)
+        ctx.join_timers()
+        fault.heal(ctx)
+        result.point = fault.describe(ctx)
+        obs.after_fault = _read_engines(dep)
+        seen.update({p.pid: p for p in dep.processes()})
+        t1 = time.monotonic()
+        try:
+            push(dep, 3, versions[3])
+        except Exception as exc:  # noqa: BLE001
+            obs.recovery_error = exc
+        obs.recover_s = time.monotonic() - t1
+        obs.after_recovery = _read_engines(dep)
+        seen.update({p.pid: p for p in dep.processes()})
+        result.verdict, result.reasons = judge_cell(obs)
+        result.error = None if obs.error is None else "".join(traceback.format_exception_only(obs.error)).strip()[-1500:]
+        result.detect_s, result.recover_s = round(obs.detect_s, 3), round(obs.recover_s, 3)
+        return result
+    finally:
+        result.log = ctx.log
+        try:
+            dep.close()
+        finally:
+            fault.teardown(ctx)
+        leaks = _leaks(seen.values(), workdir)
+        if leaks and result.verdict in ("ok", "fail"):
+            result.verdict = "fail"
+            result.reasons.append("leaked after close: " + "; ".join(leaks))
+        shutil.rmtree(trigger_dir, ignore_errors=True)
+
+
+def _read_engines(dep) -> list[tuple[int, dict[str, torch.Tensor]] | str]:
+    """Oracle read of every engine: (version, weights), or why it cannot serve (its rank is down)."""
+    out = []
+    for h in dep.handles:
+        try:
+            out.append((h.engine.weight_version, h.engine.read_weights()))
+        except Exception as exc:  # noqa: BLE001 - a dead rank serves nothing; that is not a mix
+            out.append(f"down: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    return out
+
+
+def _leaks(ranks, workdir: Path) -> list[str]:
+    """Processes, shared-memory segments and partial directories this cell created and left behind."""
+    out = []
+    alive = [r for r in ranks if _alive(r.pid)]
+    if alive:
+        out.append(f"rank processes still running: {[f'{r.name} pid {r.pid}' for r in alive]}")
+    segments = own_segments()
+    if segments:
+        out.append(f"/dev/shm segments of this trainer: {segments[:5]}")
+    partial = [str(p) for p in workdir.rglob("*.tmp-*")]
+    if partial:
+        out.append(f"partial directories: {partial[:5]}")
+    return out
+
+
+def _alive(pid: int) -> bool:
+    return process_state(pid) not in ("?", "Z")  # a zombie is gone, only not yet reaped

@@ -1,0 +1,370 @@
+"""The nemesis: faults injected into a running deployment, each with setup / arm / heal.
+
+A fault knows what it needs from a backend (its ranks as processes, an interposable data plane, a
+file-backed data plane) and says why it does not apply where it cannot; it never pretends. Where it
+strikes is a `point` drawn from a seed (which receiver, how long after the call, which byte), so a
+cell is rerun exactly by its seed. Workloads (harness.faults.cell) and checkers (harness.checks)
+live elsewhere.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from harness.api import Capabilities, Deployment, Receiver
+
+COMMIT_FAIL_DIR_ENV = "WEIGHTSYNC_FAULT_DIR"  # where harness.faults.engines looks for its triggers
+
+
+@dataclasses.dataclass
+class FaultContext:
+    """What an injector may touch: the deployment under test and the push it strikes."""
+
+    deployment: Deployment
+    workdir: Path
+    rng: random.Random
+    victim: int = 0  # the receiver index a receiver fault strikes
+    log: list[str] = dataclasses.field(default_factory=list)  # what was done, when (for the report)
+    timers: list[threading.Timer] = dataclasses.field(default_factory=list)
+
+    def note(self, what: str) -> None:
+        self.log.append(f"{time.monotonic():.3f} {what}")
+
+    def join_timers(self) -> None:
+        """Wait until every armed strike has happened (it may land after the push returned)."""
+        for t in self.timers:
+            t.join()
+
+
+class Fault(abc.ABC):
+    """One kind of fault. `applies` gives the reason it cannot run here (None: it can)."""
+
+    kind: str
+    #: words the error of the failed push must contain, besides naming the victim where there is one
+    names_victim: bool = False
+
+    def applies(self, backend: str, caps: Capabilities, deployment: Deployment) -> str | None:
+        return None
+
+    def setup(self, ctx: FaultContext) -> None:  # noqa: B027 - most faults need none
+        """Before the faulty push (after the first, clean one)."""
+
+    @abc.abstractmethod
+    def arm(self, ctx: FaultContext, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Install the trigger for the next push; returns the tensors the trainer will push."""
+
+    def disarm(self, ctx: FaultContext) -> None:  # noqa: B027 - most triggers remove themselves
+        """The faulty push returned: remove whatever trigger is left."""
+
+    def heal(self, ctx: FaultContext) -> None:  # noqa: B027 - a dead process needs no heal
+        """Undo the fault (resume a stopped rank, free the disk...)."""
+
+    def teardown(self, ctx: FaultContext) -> None:  # noqa: B027 - most faults leave nothing behind
+        """After the cell: remove what setup built (mounts)."""
+
+    def describe(self, ctx: FaultContext) -> str:
+        return self.kind
+
+
+# ------------------------------------------------------------------------------------------ triggers
+class _CallTrigger(Receiver):
+    """Wraps the victim's receiver for one push: when `call` starts, `action` runs after `delay_s`
+    on a timer thread while the call proceeds (so a kill lands mid-transfer)."""
+
+    def __init__(self, inner: Receiver, call: str, delay_s: float, action, ctx: FaultContext):
+        self.inner, self.call, self.delay_s, self.action, self.ctx = inner, call, delay_s, action, ctx
+
+    def _maybe_fire(self, name: str) -> None:
+        if name == self.call and not self.ctx.timers:
+            timer = threading.Timer(self.delay_s, self.action)
+            timer.daemon = True
+            self.ctx.timers.append(timer)
+            timer.start()
+
+    def init_transfer_engine(self, init_info):
+        return self.inner.init_transfer_engine(init_info)
+
+    def start_weight_update(self):
+        self._maybe_fire("start_weight_update")
+        return self.inner.start_weight_update()
+
+    def update_weights(self, update_info):
+        self._maybe_fire("update_weights")
+        return self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, version):
+        self._maybe_fire("finish_weight_update")
+        return self.inner.finish_weight_update(version)
+
+    def abort_weight_update(self):
+        return self.inner.abort_weight_update()
+
+    def shutdown(self):
+        return self.inner.shutdown()
+
+
+class _ProcessFault(Fault):
+    """A signal to the victim receiver's rank at a point in one lifecycle call."""
+
+    names_victim = True
+    calls = ("update_weights", "finish_weight_update")
+
+    def applies(self, backend, caps, deployment):
+        if not deployment.processes():
+            return "the backend exposes no rank processes (Deployment.processes() is empty)"
+        return None
+
+    def arm(self, ctx, tensors):
+        ctx.victim = ctx.rng.randrange(len(ctx.deployment.handles))
+        self.call = ctx.rng.choice(self.calls)
+        self.delay_s = round(ctx.rng.uniform(0.0, 0.05), 4) if self.call == "update_weights" else 0.0
+        handle = ctx.deployment.handles[ctx.victim]
+        self._handle, self._inner = handle, handle.receiver
+        handle.receiver = _CallTrigger(handle.receiver, self.call, self.delay_s, lambda: self._strike(ctx), ctx)
+        return tensors
+
+    def disarm(self, ctx):
+        if getattr(self, "_handle", None) is not None and self._handle.receiver.__class__ is _CallTrigger:
+            self._handle.receiver = self._inner
+
+    def pid(self, ctx) -> int:
+        return ctx.deployment.processes()[ctx.victim].pid
+
+    def _strike(self, ctx) -> None:
+        try:
+            self.strike(ctx)
+        except ProcessLookupError:
+            ctx.note("the victim was already gone when the fault struck")
+
+    @abc.abstractmethod
+    def strike(self, ctx: FaultContext) -> None: ...
+
+    def describe(self, ctx):
+        return f"{self.kind} receiver {ctx.victim} {getattr(self, 'delay_s', 0):g}s into {getattr(self, 'call', '?')}"
+
+
+class ReceiverKill(_ProcessFault):
+    """SIGKILL a receiver rank mid-transfer or mid-finish (a node lost, an OOM kill)."""
+
+    kind = "receiver-kill"
+
+    def strike(self, ctx):
+        pid = self.pid(ctx)
+        os.kill(pid, signal.SIGKILL)
+        ctx.note(f"SIGKILL pid {pid}")
+
+
+class ReceiverStall(_ProcessFault):
+    """SIGSTOP a receiver rank past the timeout (a frozen host), SIGCONT at heal."""
+
+    kind = "receiver-stall"
+
+    def strike(self, ctx):
+        self._stopped = self.pid(ctx)
+        os.kill(self._stopped, signal.SIGSTOP)
+        ctx.note(f"SIGSTOP pid {self._stopped}")
+
+    def heal(self, ctx):
+        pid = getattr(self, "_stopped", None)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # the supervisor already killed it: what it should do
+                pass
+
+
+class RaisingTensors(Mapping):
+    """The trainer's tensors, raising on the k-th read: a trainer that fails mid-prepare or
+    mid-transfer (an exception in the step, a CUDA error while packing)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], fail_at: int, ctx: FaultContext):
+        self._tensors, self._fail_at, self._ctx, self.reads = tensors, fail_at, ctx, 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.reads += 1
+        if self.reads == self._fail_at:
+            self._ctx.note(f"trainer raises at read {self.reads} ({name})")
+            raise RuntimeError(f"injected trainer failure while reading tensor {name!r} (read {self.reads})")
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+class TrainerRaise(Fault):
+    kind = "trainer-raise"
+
+    def arm(self, ctx, tensors):
+        # a sender reads each tensor once for the manifest and once more to move it
+        self.fail_at = ctx.rng.randint(1, 2 * len(tensors))
+        return RaisingTensors(tensors, self.fail_at, ctx)
+
+    def describe(self, ctx):
+        return f"trainer-raise at tensor read {self.fail_at}"
+
+
+class _TapFault(Fault):
+    """A fault on the data plane through the sender's interposer (`Sender.tap`)."""
+
+    def applies(self, backend, caps, deployment):
+        if not caps.interposable:
+            return "the backend does not claim 'interposable' (its sender does not call Sender.tap)"
+        return None
+
+    def arm(self, ctx, tensors):
+        self.unit = None
+        ctx.deployment.sender.tap = lambda unit, data, where: self.on_unit(ctx, unit, data, where)
+        return tensors
+
+    def disarm(self, ctx):
+        ctx.deployment.sender.tap = None
+
+    @abc.abstractmethod
+    def on_unit(self, ctx: FaultContext, unit: int, data: torch.Tensor, where: str | None) -> int | None: ...
+
+
+class PayloadCorrupt(_TapFault):
+    """One bit flipped deep inside the first unit of payload, after the digests were computed."""
+
+    kind = "payload-corrupt"
+
+    def on_unit(self, ctx, unit, data, where):
+        if self.unit is not None or data.numel() == 0:
+            return None
+        self.unit, self.byte, self.bit = unit, ctx.rng.randrange(data.numel() // 2, data.numel()), ctx.rng.randrange(8)
+        data[self.byte] ^= 1 << self.bit
+        ctx.note(f"bit {self.bit} of byte {self.byte} flipped in unit {unit} ({where or 'in flight'})")
+        return None
+
+    def describe(self, ctx):
+        return f"payload-corrupt unit {self.unit} byte {getattr(self, 'byte', '?')} bit {getattr(self, 'bit', '?')}"
+
+
+class PayloadCut(_TapFault):
+    """The payload cut at a byte of the first unit: what follows never arrives."""
+
+    kind = "payload-cut"
+
+    def on_unit(self, ctx, unit, data, where):
+        if self.unit is not None or data.numel() == 0:
+            return None
+        self.unit, self.byte = unit, ctx.rng.randrange(0, data.numel())
+        ctx.note(f"unit {unit} cut at byte {self.byte} of {data.numel()} ({where or 'in flight'})")
+        return self.byte
+
+    def describe(self, ctx):
+        return f"payload-cut unit {self.unit} at byte {getattr(self, 'byte', '?')}"
+
+
+class BlockedRead(_TapFault):
+    """A shard whose read blocks forever (a hung network filesystem): the file becomes a FIFO."""
+
+    kind = "blocked-read"
+    names_victim = True
+
+    def applies(self, backend, caps, deployment):
+        return super().applies(backend, caps, deployment) or (
+            None if backend == "disk" else "the data plane is not files (only file-backed paths can hang in read())"
+        )
+
+    def on_unit(self, ctx, unit, data, where):
+        if self.unit is not None or not where or not os.path.isfile(where):
+            return None
+        self.unit = unit
+        os.unlink(where)
+        os.mkfifo(where)  # opened for reading, it blocks until a writer comes: none will
+        self._fifo = where
+        ctx.note(f"shard {where} replaced by a FIFO")
+        return None
+
+    def heal(self, ctx):
+        fifo = getattr(self, "_fifo", None)
+        if fifo and os.path.exists(fifo):
+            os.unlink(fifo)
+
+
+class CommitFail(Fault):
+    """One engine's commit fails at finish (out of memory), after the others may have committed."""
+
+    kind = "commit-fail"
+
+    def applies(self, backend, caps, deployment):
+        if not deployment.processes():
+            return "needs engines in rank processes (the trigger is per process)"
+        if len(deployment.handles) < 2:
+            return "needs two engines"
+        return None
+
+    def arm(self, ctx, tensors):
+        # the last engine to finish fails, so the others have committed: the divergence case
+        ctx.victim = len(ctx.deployment.handles) - 1 if ctx.rng.random() < 0.75 else 0
+        self.trigger = Path(os.environ[COMMIT_FAIL_DIR_ENV]) / f"commit-fail-{ctx.deployment.processes()[ctx.victim].pid}"
+        self.trigger.write_text("armed")
+        ctx.note(f"commit of receiver {ctx.victim} armed to fail")
+        return tensors
+
+    def disarm(self, ctx):
+        self.trigger.unlink(missing_ok=True)
+
+    def describe(self, ctx):
+        return f"commit-fail receiver {ctx.victim}"
+
+
+class StorageFull(Fault):
+    """The disk fills during the write of a version (ENOSPC mid-write): a small tmpfs under the
+    checkpoint root, grown back at heal."""
+
+    kind = "storage-full"
+
+    def applies(self, backend, caps, deployment):
+        if backend != "disk":
+            return "the data plane does not write to a filesystem"
+        if os.geteuid() != 0:
+            return "mounting a small tmpfs needs root"
+        return None
+
+    def setup(self, ctx):
+        sender = ctx.deployment.sender
+        self.mount = sender.run_dir  # the directory the next versions are written in
+        used = sum(f.stat().st_size for f in self.mount.rglob("*") if f.is_file())
+        self.size = max(used // 2, 64 << 10)  # too small for one more version
+        _run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.mount)])
+        ctx.note(f"{self.mount} is now a {self.size}-byte tmpfs")
+
+    def arm(self, ctx, tensors):
+        return tensors
+
+    def heal(self, ctx):
+        _run(["mount", "-o", f"remount,size={self.size * 16}", str(self.mount)])
+
+    def teardown(self, ctx):
+        if getattr(self, "size", None):
+            _run(["umount", "-l", str(self.mount)])
+
+
+def _run(argv: list[str]) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise OSError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
+
+
+#: Every fault kind the matrix runs, by name.
+FAULTS: dict[str, type[Fault]] = {
+    f.kind: f for f in (ReceiverKill, ReceiverStall, TrainerRaise, PayloadCorrupt, PayloadCut, BlockedRead,
+                        CommitFail, StorageFull)
+}

@@ -1,0 +1,55 @@
+"""The fault matrix: every fault kind against every selected path, with the reference engine (or the one
+selected). Each cell pushes version 1 cleanly, pushes version 2 under the fault, heals, pushes version 3,
+and is judged (harness.checks.judge_cell): safety (every engine serves one committed version bit for bit),
+bounded (the failing push returns within 2x the timeout with a specific error naming the receiver),
+agreement (nothing reports success while engines differ), recovery (version 3 everywhere, no redeploy by
+hand), nothing leaked. The verdict lands in the results JSON ("fault_cell") for the report.
+
+    pytest suites/faults --weightsync-backend=ipc --weightsync-fault-seeds=20
+    pytest suites/faults -k "receiver-kill and disk" --weightsync-fault-seed=1234    # rerun one cell
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from harness.faults.cell import DEFAULT_CELL_TIMEOUT_S, run_cell
+from harness.faults.injectors import FAULTS
+from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN
+
+pytestmark = pytest.mark.multiproc
+
+
+def pytest_generate_tests(metafunc):
+    if "fault_cell" not in metafunc.fixturenames:
+        return
+    config = metafunc.config
+    backends = [n.strip() for n in config.getoption("--weightsync-backend").split(",") if n.strip()]
+    fixed = config.getoption("--weightsync-fault-seed")
+    cells = []
+    for backend in backends:
+        for kind in FAULTS:
+            base = zlib.crc32(f"{backend}/{kind}".encode()) % 100_000
+            seeds = [fixed] if fixed is not None else [base + i for i in range(config.getoption("--weightsync-fault-seeds"))]
+            cells += [(backend, kind, seed) for seed in seeds]
+    metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-s{s}" for b, k, s in cells])
+
+
+def test_fault_cell(fault_cell, selection, tmp_path, request):
+    backend_name, kind, seed = fault_cell
+    result = run_cell(selection.backends[backend_name], backend_name, kind, seed, tmp_path,
+                      engine=selection.engine, caps=selection.capabilities(backend_name))
+    request.config._weightsync_outcomes.setdefault(request.node.nodeid, {})["fault_cell"] = result.to_json()
+    rerun = (f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}' "
+             f"--weightsync-backend={backend_name} --weightsync-fault-seed={seed}")
+    if result.verdict == "not_applicable":
+        pytest.skip(f"{NOT_SUPPORTED}: {kind} on {backend_name}: {result.reasons[0]}")
+    if result.verdict == "unknown":
+        pytest.skip(f"{UNKNOWN}: {kind} on {backend_name}: {'; '.join(result.reasons)}")
+    assert result.verdict == "ok", (
+        f"fault cell {backend_name} x {kind} (seed {seed}, {result.point}, timeout {DEFAULT_CELL_TIMEOUT_S:g}s):\n  "
+        + "\n  ".join(result.reasons)
+        + f"\nerror of the faulty push: {result.error}\nwhat the nemesis did: {result.log}\nrerun: {rerun}"
+    )
