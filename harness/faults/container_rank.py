@@ -31,7 +31,14 @@ from typing import Any
 
 from harness import wire
 from harness.api import TransferError, WeightSpec
-from harness.launch import DEFAULT_RPC_TIMEOUT, RPC_SLACK, START_TIMEOUT, FifoLock, RankDeployment, RankProcess
+from harness.launch import (
+    DEFAULT_RPC_TIMEOUT,
+    RPC_SLACK,
+    START_TIMEOUT,
+    FifoLock,
+    RankDeployment,
+    RankProcess,
+)
 
 AUTHKEY_ENV = "WEIGHTSYNC_RANK_AUTHKEY"
 
@@ -91,7 +98,7 @@ class ContainerProcess:
     def kill(self) -> None:
         try:
             self.container.kill()
-        except Exception:  # noqa: BLE001 - not running any more
+        except Exception:  # noqa: BLE001, S110 - not running any more
             pass
 
     def describe(self) -> str:
@@ -147,7 +154,7 @@ class ContainerRankProcess(RankProcess):
             self._reply("start", start_timeout)
 
     def _accept(self, listener: Listener, timeout: float):
-        sock = listener._listener._socket  # noqa: SLF001 - wait for the connection without blocking forever
+        sock = listener._listener._socket
         deadline = time.monotonic() + timeout
         while True:
             ready, _, _ = select.select([sock], [], [], 0.1)
@@ -196,7 +203,7 @@ class ContainerRankDeployment(RankDeployment):
 
     def _spawn_rank(self, rank: int) -> RankProcess:
         return ContainerRankProcess(self.host, rank, self._receiver_path, self._engine, self._spec, self._log_dir,
-                                    self.timeout_s * RPC_SLACK, self.container_options)  # fmt: skip
+                                    self.timeout_s * RPC_SLACK, self.container_options)
 
 
 def deploy_broadcast(backend, host, n_receivers: int, spec: WeightSpec | None, workdir: str,
@@ -209,7 +216,7 @@ def deploy_broadcast(backend, host, n_receivers: int, spec: WeightSpec | None, w
     return ContainerRankDeployment(
         host,
         sender=BroadcastSender(n_receivers, backend.backend, backend.bucket_bytes, backend.timeout_s,
-                               addr=host.gateway_ip()),  # fmt: skip
+                               addr=host.gateway_ip()),
         receiver_path="harness.paths.broadcast:BroadcastReceiver",
         n_receivers=n_receivers,
         spec=spec,

@@ -48,7 +48,7 @@ class DockerUnavailable(RuntimeError):
 
 
 def _run(argv: list[str], check: bool = True, timeout: float = 30.0) -> str:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     if check and r.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {r.returncode}: {(r.stdout + r.stderr).strip()}")
     return (r.stdout + r.stderr).strip()
@@ -86,7 +86,7 @@ class DockerHost:
         self.base_url: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> DockerHost:
+    def __enter__(self) -> DockerHost:  # noqa: PYI034
         try:
             self.start()
         except BaseException:
@@ -316,7 +316,7 @@ class DockerHost:
     def remove(self, container) -> None:
         try:
             container.remove(force=True)
-        except Exception:  # noqa: BLE001 - already gone
+        except Exception:  # noqa: BLE001, S110 - already gone
             pass
         self.containers = [c for c in self.containers if c.id != container.id]
 
@@ -392,7 +392,7 @@ class Fault:
     def heal(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> Fault:
+    def __enter__(self) -> Fault:  # noqa: PYI034
         self.inject()
         return self
 

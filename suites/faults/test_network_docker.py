@@ -233,10 +233,10 @@ def test_nemesis_partition(docker_host, pair):
 
 
 def test_nemesis_partition_keeps_the_host_reachable(docker_host, pair, host_echo):
-    a, b, ip_a, ip_b = pair
+    a, _, _, ip_b = pair
     probe = (
-        "import socket\nc=socket.create_connection(('%s',%d),timeout=2);c.sendall(b'ping');print(c.recv(4).decode())"
-        % (docker_host.gateway_ip(), host_echo)
+        f"import socket\nc=socket.create_connection(('{docker_host.gateway_ip()}',{host_echo}),timeout=2)\n"
+        "c.sendall(b'ping');print(c.recv(4).decode())"
     )
     with Partition(docker_host, a, ip_b):
         r = docker_host.exec(a, ["python", "-c", probe])
@@ -260,7 +260,7 @@ def test_nemesis_one_way_partition(docker_host, pair):
 
 
 def test_nemesis_packet_loss(docker_host, pair):
-    a, b, ip_a, ip_b = pair
+    a, b, ip_a, _ = pair
     n = 400
     with PacketLoss(docker_host, a, 0.2):
         got = udp_delivered(docker_host, b, a, ip_a, n)
@@ -272,12 +272,12 @@ def test_nemesis_packet_loss(docker_host, pair):
 
 
 def test_nemesis_bandwidth_cap(docker_host, pair):
-    a, b, ip_a, ip_b = pair
+    a, _, ip_a, ip_b = pair
     nbytes = 2 << 20
     before = bulk_from_host(ip_a, nbytes)
     with BandwidthCap(docker_host, a, "4mbit"):  # 0.5 MB/s
         capped_in = bulk_from_host(ip_a, nbytes)
-        got, capped_out = _exec(docker_host, a, "bulk", ip_b, 1 << 20).split()
+        _, capped_out = _exec(docker_host, a, "bulk", ip_b, 1 << 20).split()
     after = bulk_from_host(ip_a, nbytes)
     rate_in, rate_out = nbytes / capped_in / 1e6, (1 << 20) / float(capped_out) / 1e6
     print(f"bandwidth host->a: {nbytes / before / 1e6:.0f} MB/s, capped {rate_in:.2f} MB/s, healed "
