@@ -30,24 +30,28 @@ def _suite_dir(name: str) -> Path:
     return Path(suites.__file__).parent / name
 
 
-#: Supervision of rank processes and the torchrun launch: they test the launcher with BroadcastBackend.
-BROADCAST_LAUNCHER_TESTS = ("test_supervision.py", "test_torchrun.py")
+#: The torchrun launch: it tests the launcher with BroadcastBackend, whatever is selected.
+BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
 
 
-def run_conformance(backend: str, engine: str, out: Path, profile: str, receivers: str) -> dict:
-    """Run the conformance suite against one backend in a fresh interpreter; returns its results JSON."""
-    results = out / f"conformance-{_slug(backend)}.json"
+def run_conformance(backend: str, engine: str, out: Path, profile: str, receivers: str,
+                    suite: str = "conformance") -> dict:
+    """Run a suite (conformance, or the fault matrix) against one backend in a fresh interpreter;
+    returns its results JSON."""
+    results = out / f"{suite}-{_slug(backend)}.json"
     cmd = [
-        sys.executable, "-m", "pytest", str(_suite_dir("conformance")), "-q", "-p", "no:cacheprovider",
+        sys.executable, "-m", "pytest", str(_suite_dir(suite)), "-q", "-p", "no:cacheprovider",
         f"--weightsync-backend={backend}", f"--weightsync-engine={engine}", f"--weightsync-receivers={receivers}",
-        f"--weightsync-results={results}", f"--junitxml={out / f'junit-{_slug(backend)}.xml'}",
+        f"--weightsync-results={results}", f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
     ]
-    if backend != "broadcast":  # these drive BroadcastBackend itself, whatever is selected: run them once
+    if suite == "faults":
+        cmd += ["-m", "not docker"]
+    if suite == "conformance" and backend != "broadcast":  # these drive BroadcastBackend itself, whatever is selected: run them once
         for test in BROADCAST_LAUNCHER_TESTS:
             cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
     env = {**os.environ, "HYPOTHESIS_PROFILE": profile}
-    log = out / f"pytest-{_slug(backend)}.log"
-    with console.status(f"[bold]conformance[/] {backend}: running {shlex.join(cmd[3:5])} ..."), open(log, "w") as f:
+    log = out / f"pytest-{suite}-{_slug(backend)}.log"
+    with console.status(f"[bold]{suite}[/] {backend}: running {shlex.join(cmd[3:5])} ..."), open(log, "w") as f:
         t0 = time.monotonic()
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=_suite_dir("..").resolve())
     if not results.exists():
@@ -59,7 +63,7 @@ def run_conformance(backend: str, engine: str, out: Path, profile: str, receiver
         data["error"] = f"pytest stopped (exit {proc.returncode}) during {data.get('running') or 'teardown'}; see {log}"
     statuses = [r.get("status") for r in data["tests"].values()]
     console.print(
-        f"conformance {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
+        f"{suite} {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
         f"{statuses.count('not_supported')} NOT_SUPPORTED in {time.monotonic() - t0:.0f}s (log: {log})"
     )
     return data
@@ -77,7 +81,7 @@ def certify(args: argparse.Namespace) -> int:
     out = Path(args.out) / f"certify-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     command = "weightsync " + shlex.join(sys.argv[1:])
-    results, rows = {}, []
+    results, faults, rows = {}, {}, []
     for name in args.backend:
         try:
             backend = resolve_backend(name)
@@ -85,12 +89,14 @@ def certify(args: argparse.Namespace) -> int:
             console.print(f"[red]{exc}[/]")
             return 2
         results[name] = run_conformance(name, args.engine, out, args.profile, args.receivers)
+        if not args.no_faults:
+            faults[name] = run_conformance(name, args.engine, out, args.profile, args.receivers, suite="faults")
         if not args.no_bench:
             counts = [2] if backend.capabilities.multi_receiver else [1]
             for rx in counts:
                 with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ..."):
                     rows += measure_sync(backend, [s << 20 for s in args.sizes_mib], rx, repeats=args.repeats)
-    report = write_report(out, results, rows, command)
+    report = write_report(out, results, rows, command, faults)
     if rows:
         table = Table(title="sync throughput (median full lifecycle)")
         for col in ("path", "rx", "size (B)", "count", "time (ms)", "algbw GB/s", "ceiling GB/s", "ratio", "#wrong"):
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64], help="throughput payload sizes")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--no-bench", action="store_true", help="skip the throughput table")
+    c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
     args = parser.parse_args(argv)
     if args.command == "certify":
         args.backend = args.backend or list(BUILTIN_BACKENDS)

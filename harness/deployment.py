@@ -83,9 +83,13 @@ def push(
         deployment.needs_recovery = False
     started: list[EngineHandle] = []
     try:
-        for h in deployment.handles:
-            h.receiver.start_weight_update()
-            started.append(h)
+        try:
+            _start_all(deployment, started)
+        except RankFailure:  # a rank died since the health check; nothing was sent yet: recover once
+            _abort_all(started)
+            started.clear()
+            deployment.recover()
+            _start_all(deployment, started)
         deliver(deployment, version, named_tensors, timeout)
     except BaseException as exc:
         # No engine may commit a version another engine refused: discard everywhere.
@@ -111,6 +115,12 @@ def push(
     deployment.sender.complete(True)
 
 
+def _start_all(deployment: Deployment, started: list[EngineHandle]) -> None:
+    for h in deployment.handles:
+        h.receiver.start_weight_update()
+        started.append(h)
+
+
 def _version_of(handle: EngineHandle) -> int | None:
     try:
         return handle.engine.weight_version
@@ -119,8 +129,14 @@ def _version_of(handle: EngineHandle) -> int | None:
 
 
 def _abort_all(handles) -> None:
-    for h in handles:
+    """Every receiver discards what it staged, all at once (a rank that cannot answer costs one wait)."""
+
+    def abort(h) -> None:
         try:
             h.receiver.abort_weight_update()
         except WeightSyncError:  # a dead rank cannot abort; the original error is what matters
             pass
+
+    if handles:
+        with cf.ThreadPoolExecutor(max_workers=len(handles), thread_name_prefix="abort") as pool:
+            list(pool.map(abort, handles))

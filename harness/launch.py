@@ -312,7 +312,8 @@ class RemoteReceiver(Receiver):
         self.rank.call("finish_weight_update", version=version)
 
     def abort_weight_update(self) -> None:
-        self.rank.call("abort_weight_update")
+        # after a failed transfer: a rank that cannot answer this quickly is killed, not waited for
+        self.rank.call("abort_weight_update", timeout=max(self.rank.timeout / 3, 1.0))
 
 
 class RemoteEngine(Engine):

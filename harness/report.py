@@ -69,12 +69,64 @@ def cell(c: Counter | None) -> str:
 
 
 def verdict(results: dict[str, dict]) -> str:
+    """FAIL if anything failed or a run stopped; a fault cell that is unknown fails it too (unknown is never ok)."""
     failed = any(
-        rec.get("status") in ("failed", "error") or res.get("exitstatus", 0) not in (0, 5)
+        rec.get("status") in ("failed", "error", "unknown") or res.get("exitstatus", 0) not in (0, 5)
         for res in results.values()
         for rec in res.get("tests", {}).values()
     ) or any(res.get("exitstatus", 0) not in (0, 5) or not res.get("complete", True) for res in results.values())
     return "FAIL" if failed else "PASS"
+
+
+def fault_matrix(faults: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
+    """fault kind -> backend -> the cells (one per seed) from the fault suite's results JSON."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for backend, res in faults.items():
+        for rec in res.get("tests", {}).values():
+            c = rec.get("fault_cell")
+            if c is None:
+                continue
+            c = {**c, "status": rec.get("status")}
+            out.setdefault(c["fault"], {}).setdefault(backend, []).append(c)
+    return out
+
+
+def fault_cell_text(cells: list[dict] | None) -> str:
+    """ok / **FAIL** / unknown / NOT_SUPPORTED, with the worst time to detect and to recover."""
+    if not cells:
+        return "–"
+    verdicts = [c["verdict"] for c in cells]
+    if "fail" in verdicts:
+        return f"**FAIL** {verdicts.count('fail')}/{len(cells)}"
+    if "unknown" in verdicts:
+        return f"unknown {verdicts.count('unknown')}/{len(cells)}"
+    if all(v == "not_applicable" for v in verdicts):
+        return "NOT_SUPPORTED"
+    detect = max(c["detect_s"] or 0 for c in cells)
+    recover = max(c["recover_s"] or 0 for c in cells)
+    return f"ok {verdicts.count('ok')}/{len(cells)} ({detect:.1f}s / {recover:.1f}s)"
+
+
+def fault_section(faults: dict[str, dict]) -> list[str]:
+    mat = fault_matrix(faults)
+    if not mat:
+        return []
+    backends = list(faults)
+    timeout = next((c["timeout_s"] for row in mat.values() for cs in row.values() for c in cs), None)
+    md = ["", "## Fault matrix", "",
+          f"Each cell: push v1, push v2 under the fault, heal, push v3 (timeout {timeout:g}s). ok = every engine served "
+          "one committed version bit for bit, the failing push returned within 2x the timeout with a specific error "
+          "naming the receiver, nothing reported success while engines differed, v3 reached every engine without a "
+          "redeploy, nothing leaked. Times: slowest faulty push (detect) / slowest push after heal (recover). "
+          "unknown never counts as ok.", "",
+          "| fault | " + " | ".join(backends) + " |", "| --- | " + " | ".join("---" for _ in backends) + " |"]
+    for kind in mat:
+        md.append(f"| {kind} | " + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends) + " |")
+    bad = [c for row in mat.values() for cs in row.values() for c in cs if c["verdict"] in ("fail", "unknown")]
+    for c in bad:
+        md += ["", f"- **{c['verdict']}** {c['backend']} × {c['fault']} (seed {c['seed']}, {c['point']}): "
+               + "; ".join(c["reasons"])[:1500]]
+    return md
 
 
 def plot_throughput(rows: list[SyncRow], path: Path) -> bool:
@@ -130,17 +182,20 @@ def throughput_table(rows: list[SyncRow]) -> list[str]:
     return lines
 
 
-def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], command: str) -> Path:
+def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], command: str,
+                 faults: dict[str, dict] | None = None) -> Path:
     """Write results.json and report.md (+ throughput.png) into out_dir; returns report.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
+    faults = faults or {}
     data = {
-        "verdict": verdict(results),
+        "verdict": verdict({**results, **{f"faults:{b}": r for b, r in faults.items()}}),
         "command": command,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": env,
         "conformance": results,
         "throughput": [r.to_json() for r in rows],
+        "faults": faults,
     }
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
     has_plot = plot_throughput(rows, out_dir / "throughput.png")
@@ -176,6 +231,7 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
         md += [f"- **{b}**: {err}" for b, err in stopped]
         for b, n, rec in failures:
             md += [f"### {b}: `{n}`", "", "```", rec.get("message", "")[-1500:], "```", ""]
+    md += fault_section(faults)
     examples = {b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends}
     counts = {b: Counter(rec.get("status") for rec in results[b].get("tests", {}).values()) for b in backends}
     md += ["", "## Counts", "", "| backend | tests | passed | failed | NOT_SUPPORTED | skipped | hypothesis examples |",

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -22,7 +25,7 @@ from harness.api import Backend, Capabilities, RankInfo, TensorSpec
 from harness.checks import CellObservation, judge_cell
 from harness.deployment import push
 from harness.faults import engines as fault_engines
-from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, FaultContext
+from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, PRIVATE_SHM_ENV, FaultContext
 from harness.launch import process_state
 from harness.paths.ipc import own_segments
 from harness.registry import engine_path
@@ -76,6 +79,8 @@ def run_cell(
 ) -> CellResult:
     """Run one cell and judge it. Never raises for the system's faults: they are the verdict."""
     caps = caps or backend.capabilities
+    if fault_kind == "storage-full" and caps.ipc and os.environ.get(PRIVATE_SHM_ENV) != "1" and os.geteuid() == 0:
+        return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s)
     fault = FAULTS[fault_kind]()
     result = CellResult(backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s)
     trigger_dir = workdir / "fault-triggers"
@@ -176,3 +181,58 @@ def _leaks(ranks, workdir: Path) -> list[str]:
 
 def _alive(pid: int) -> bool:
     return process_state(pid) not in ("?", "Z")  # a zombie is gone, only not yet reaped
+
+
+PRIVATE_SHM_BYTES = 64 << 20
+
+
+def run_cell_in_private_shm(backend_name: str, fault_kind: str, seed: int, workdir: Path, engine: str | None,
+                            timeout_s: float) -> CellResult:
+    """The cell in a child process with a mount namespace of its own, whose /dev/shm is a fresh
+    64 MiB tmpfs: the fault may fill it without touching the host's shared memory."""
+    out = workdir / "cell.json"
+    script = 'mount -t tmpfs -o size=$1 tmpfs /dev/shm && shift && exec "$@"'
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(PRIVATE_SHM_BYTES),
+            sys.executable, "-m", "harness.faults.cell", "--backend", backend_name, "--fault", fault_kind,
+            "--seed", str(seed), "--workdir", str(workdir), "--timeout", str(timeout_s), "--json", str(out)]
+    if engine:
+        argv += ["--engine", engine]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, PRIVATE_SHM_ENV: "1"},
+                              timeout=20 * timeout_s + 120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return CellResult(backend_name, fault_kind, seed, "unknown", [f"private /dev/shm: {exc}"], timeout_s=timeout_s)
+    if not out.exists():
+        why = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return CellResult(backend_name, fault_kind, seed, "unknown",
+                          [f"private /dev/shm cell exited {done.returncode} without a verdict: {why}"], timeout_s=timeout_s)
+    return CellResult(**json.loads(out.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m harness.faults.cell --backend B --fault F --seed S --workdir W --json OUT`: one cell."""
+    import argparse
+
+    from harness.registry import resolve_backend
+
+    p = argparse.ArgumentParser(prog="python -m harness.faults.cell", description=main.__doc__)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--fault", required=True, choices=sorted(FAULTS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--engine", default=None)
+    p.add_argument("--timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S)
+    p.add_argument("--json", required=True)
+    a = p.parse_args(argv)
+    from harness.registry import engine_capabilities
+
+    backend = resolve_backend(a.backend)
+    caps = backend.capabilities.restricted_by(engine_capabilities(a.engine))
+    result = run_cell(backend, a.backend, a.fault, a.seed, Path(a.workdir), a.engine, a.timeout, caps)
+    Path(a.json).write_text(json.dumps(result.to_json()))
+    print(f"{a.backend} x {a.fault} (seed {a.seed}): {result.verdict} {result.reasons}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

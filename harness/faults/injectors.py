@@ -325,22 +325,40 @@ class CommitFail(Fault):
         return f"commit-fail receiver {ctx.victim}"
 
 
+PRIVATE_SHM_ENV = "WEIGHTSYNC_PRIVATE_SHM"  # set where /dev/shm is a private tmpfs (harness.faults.cell)
+
+
 class StorageFull(Fault):
-    """The disk fills during the write of a version (ENOSPC mid-write): a small tmpfs under the
-    checkpoint root, grown back at heal."""
+    """The storage under the data plane fills up during the write of a version: for files, a small
+    tmpfs under the checkpoint directory (ENOSPC mid-write, grown back at heal); for shared memory,
+    /dev/shm filled to less than one version (only inside a private mount namespace, where /dev/shm
+    is a tmpfs of the cell's own: the host's is never touched)."""
 
     kind = "storage-full"
 
     def applies(self, backend, caps, deployment):
-        if backend != "disk":
-            return "the data plane does not write to a filesystem"
         if os.geteuid() != 0:
             return "mounting a small tmpfs needs root"
+        if caps.ipc:
+            if os.environ.get(PRIVATE_SHM_ENV) != "1":
+                return "/dev/shm may only be filled inside a private mount namespace (run_cell arranges it)"
+            return None
+        if not hasattr(deployment.sender, "run_dir"):
+            return "the data plane writes no files this fault can reach (no sender.run_dir)"
         return None
 
     def setup(self, ctx):
-        sender = ctx.deployment.sender
-        self.mount = sender.run_dir  # the directory the next versions are written in
+        if os.environ.get(PRIVATE_SHM_ENV) == "1":
+            free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+            self.filler = f"/dev/shm/wsync-{os.getpid()}-filler"
+            fd = os.open(self.filler, os.O_CREAT | os.O_WRONLY, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, max(free - (1 << 20), 1))  # leave 1 MiB: less than a version
+            finally:
+                os.close(fd)
+            ctx.note(f"/dev/shm (private tmpfs) filled to 1 MiB free by {self.filler}")
+            return
+        self.mount = ctx.deployment.sender.run_dir  # the directory the next versions are written in
         used = sum(f.stat().st_size for f in self.mount.rglob("*") if f.is_file())
         self.size = max(used // 2, 64 << 10)  # too small for one more version
         _run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.mount)])
@@ -350,9 +368,15 @@ class StorageFull(Fault):
         return tensors
 
     def heal(self, ctx):
-        _run(["mount", "-o", f"remount,size={self.size * 16}", str(self.mount)])
+        if getattr(self, "filler", None):
+            os.unlink(self.filler)
+            self.filler = None
+        elif getattr(self, "size", None):
+            _run(["mount", "-o", f"remount,size={self.size * 16}", str(self.mount)])
 
     def teardown(self, ctx):
+        if getattr(self, "filler", None):
+            os.unlink(self.filler)
         if getattr(self, "size", None):
             _run(["umount", "-l", str(self.mount)])
 

@@ -68,3 +68,67 @@ def make_stale_cache_engine(spec=None):
 
 def make_leaky_backend():
     return LeakyBackend()
+
+
+# ------------------------------------------------------------------------------------------ fault suite
+class _SwallowingReceiver:
+    """Reports every finish as done, even one whose engine failed to commit."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def finish_weight_update(self, version):
+        try:
+            self.inner.finish_weight_update(version)
+        except Exception:  # noqa: BLE001 - the defect under test
+            pass
+
+
+class PartialCommitBackend(DiskBackend):
+    """A commit that lands on some engines only, while the trainer is told the sync succeeded."""
+
+    name = "broken-partial-commit"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine)
+        for h in dep.handles:
+            h.receiver = _SwallowingReceiver(h.receiver)
+        return dep
+
+
+class NoRestartBackend(DiskBackend):
+    """A supervisor that never restarts a dead rank: it only reconnects the survivors."""
+
+    name = "broken-no-restart"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine)
+        dep._restart_unhealthy = lambda: False  # noqa: SLF001 - the defect under test
+        return dep
+
+
+class IgnoredTimeoutBackend(DiskBackend):
+    """Declares the timeout it is given but waits 10 s for a rank that does not answer."""
+
+    name = "broken-ignored-timeout"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine)
+        for r in dep.ranks:
+            r.timeout = 10.0  # the defect under test: the declared timeout_s stays what it was
+        return dep
+
+
+def make_partial_commit_backend():
+    return PartialCommitBackend()
+
+
+def make_no_restart_backend():
+    return NoRestartBackend()
+
+
+def make_ignored_timeout_backend():
+    return IgnoredTimeoutBackend()

@@ -1,0 +1,31 @@
+"""Meta tests: the fault suite, run against broken paths, must fail them (and say why)."""
+
+from __future__ import annotations
+
+pytest_plugins = ["pytester"]
+
+
+def _run(pytester, backend: str, kind: str, *args):
+    return pytester.runpytest_subprocess(
+        "--pyargs", "suites.faults", "-p", "no:cacheprovider", f"--weightsync-backend=suites.meta.broken:{backend}",
+        "-k", kind, *args,
+    )
+
+
+def test_fault_suite_fails_a_commit_that_lands_on_some_engines_only(pytester):
+    result = _run(pytester, "make_partial_commit_backend", "commit-fail")
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*reported success while engines serve versions*"])
+
+
+def test_fault_suite_fails_a_supervisor_that_never_restarts(pytester):
+    result = _run(pytester, "make_no_restart_backend", "receiver-kill")
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*no recovery*"])
+
+
+def test_fault_suite_fails_a_timeout_that_is_not_honoured(pytester):
+    # the stall lands at a seeded point; over three seeds at least one lands inside a call
+    result = _run(pytester, "make_ignored_timeout_backend", "receiver-stall", "--weightsync-fault-seeds=3")
+    assert result.parseoutcomes().get("failed", 0) >= 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*over 2x the 3s timeout*"])
