@@ -65,7 +65,9 @@ class CellObservation:
 
     fault: object  # the harness.faults.injectors.Fault that was injected
     timeout_s: float
-    versions: dict[int, dict[str, torch.Tensor]]  # what the trainer pushed, by version
+    versions: dict[int, dict[str, torch.Tensor]]  # what the trainer pushed, by version (those that may be served)
+    version: int = 2  # the push the fault struck
+    recovery_version: int = 3  # the push after heal
     victim_name: str | None = None
     error: BaseException | None = None  # what the faulty push raised (None: it succeeded)
     detect_s: float = 0.0
@@ -73,6 +75,9 @@ class CellObservation:
     recovery_error: BaseException | None = None
     recover_s: float = 0.0
     after_recovery: list = dataclasses.field(default_factory=list)
+
+    def error_text(self) -> str | None:
+        return None if self.error is None else _error_text(self.error).strip()[-1500:]
 
 
 def _error_text(exc: BaseException) -> str:
@@ -107,8 +112,8 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
         problems.append(f"the faulty push took {obs.detect_s:.1f}s, over 2x the {obs.timeout_s:g}s timeout")
     served = [s[0] for s in obs.after_fault if not isinstance(s, str)]
     if obs.error is None:
-        if any(v != 2 for v in served):
-            problems.append(f"the push of version 2 reported success while engines serve versions {served}")
+        if any(v != obs.version for v in served):
+            problems.append(f"the push of version {obs.version} reported success while engines serve versions {served}")
     else:
         text = _error_text(obs.error)
         injected_trainer = isinstance(obs.error, RuntimeError) and "injected trainer failure" in text
@@ -124,12 +129,13 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
             if sorted(said) != sorted(served):
                 problems.append(f"the error says engines serve {obs.error.versions}, they serve {served}")
     if obs.recovery_error is not None:
-        problems.append(f"no recovery: the push of version 3 after heal failed: "
+        problems.append(f"no recovery: the push of version {obs.recovery_version} after heal failed: "
                         f"{_error_text(obs.recovery_error).strip()[:400]}")
     else:
         down = [s for s in obs.after_recovery if isinstance(s, str)]
-        late = [s[0] for s in obs.after_recovery if not isinstance(s, str) and s[0] != 3]
+        late = [s[0] for s in obs.after_recovery if not isinstance(s, str) and s[0] != obs.recovery_version]
         if down or late:
-            problems.append(f"after recovery not every engine serves version 3: {[s if isinstance(s, str) else s[0] for s in obs.after_recovery]}")
+            states = [s if isinstance(s, str) else s[0] for s in obs.after_recovery]
+            problems.append(f"after recovery not every engine serves version {obs.recovery_version}: {states}")
         problems += _safety(obs.after_recovery, obs.versions, "after recovery")
     return ("fail", problems) if problems else ("ok", [])

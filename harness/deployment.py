@@ -52,7 +52,11 @@ def deliver(
         raise TransferError(f"delivery of version {version}: {', '.join(who)} still running after {timeout:g}s")
     errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
     if errors:
-        raise _most_telling(errors)
+        primary = _most_telling(errors)
+        # the traceback will hold this frame: drop what would make a cycle through the futures,
+        # or every failed sync keeps its tensors alive until a full garbage collection
+        del futures, errors, named_tensors
+        raise primary
     return update_info
 
 

@@ -8,6 +8,7 @@ stacks dumped (faulthandler, SIGUSR1) into its log, is killed, and the call fail
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import faulthandler
 import multiprocessing as mp
 import os
@@ -426,8 +427,15 @@ class RankDeployment(Deployment):
         self.ranks: list[RankProcess] = []
         self.handles = []
         try:
-            for i in range(n_receivers):
-                self.ranks.append(self._spawn_rank(i + 1))
+            # ranks start side by side: each spends its first seconds importing torch
+            with cf.ThreadPoolExecutor(max_workers=max(n_receivers, 1), thread_name_prefix="spawn") as pool:
+                futures = [pool.submit(self._spawn_rank, i + 1) for i in range(n_receivers)]
+            for f in futures:  # keep what started, so close() stops it, then raise the first failure
+                if f.exception() is None:
+                    self.ranks.append(f.result())
+            for f in futures:
+                if f.exception() is not None:
+                    raise f.exception()
             self.handles = [EngineHandle(RemoteReceiver(r), RemoteEngine(r)) for r in self.ranks]
             self.connect()
         except BaseException:
@@ -491,6 +499,7 @@ class RankDeployment(Deployment):
             r.call("reset", spec=wire.spec_to_json(spec))
 
     def close(self) -> None:
-        for r in self.ranks:
-            r.stop()
+        if self.ranks:
+            with cf.ThreadPoolExecutor(max_workers=len(self.ranks), thread_name_prefix="stop") as pool:
+                list(pool.map(lambda r: r.stop(), self.ranks))
         self.sender.shutdown()

@@ -104,6 +104,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run every fault cell with exactly this seed (the rerun line of a failed cell gives it)",
     )
     group.addoption(
+        "--weightsync-soak-out",
+        default=None,
+        help="directory for the soak reports (soak-<backend>.json; default: the test's tmp_path)",
+    )
+    group.addoption(
         "--weightsync-results",
         default=None,
         help="write per-test outcomes (passed/failed/skipped/NOT_SUPPORTED, examples) as JSON to this path",

@@ -25,7 +25,7 @@ from harness.api import Backend, Capabilities, RankInfo, TensorSpec
 from harness.checks import CellObservation, judge_cell
 from harness.deployment import push
 from harness.faults import engines as fault_engines
-from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, PRIVATE_SHM_ENV, FaultContext
+from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, PRIVATE_SHM_ENV, Fault, FaultContext
 from harness.launch import process_state
 from harness.paths.ipc import own_segments
 from harness.registry import engine_path
@@ -62,9 +62,66 @@ def with_timeout(backend: Backend, timeout_s: float) -> Backend:
     return backend
 
 
-def _weights(spec, seed: int) -> dict[str, torch.Tensor]:
+def seeded_weights(spec, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {n: (0.2 * torch.randn(s.shape, generator=gen)).to(s.dtype) for n, s in spec.items()}
+
+
+def deploy_for_faults(backend: Backend, workdir: Path, engine: str | None, timeout_s: float, caps: Capabilities,
+                      n_receivers: int = N_RECEIVERS):
+    """A deployment whose engines can be told to fail a commit (harness.faults.engines), the backend's
+    timeout set to `timeout_s`; the cell's extra tensors where the engine accepts any."""
+    trigger_dir = workdir / "fault-triggers"
+    trigger_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[COMMIT_FAIL_DIR_ENV] = str(trigger_dir)  # ranks are spawned with this environment
+    os.environ[fault_engines.INNER_ENGINE_ENV] = engine_path(engine)
+    spec = CELL_SPEC if caps.arbitrary_tensors else None
+    n = min(n_receivers, caps.max_receivers)
+    return with_timeout(backend, timeout_s).deploy(n, spec, str(workdir), engine="harness.faults.engines:make_engine")
+
+
+def detached(exc: BaseException) -> BaseException:
+    """The error without its tracebacks: kept in an observation, a traceback would hold this frame
+    (and the observation) in a cycle, and every fault's tensors until a full garbage collection."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return exc
+
+
+def strike(dep, fault: Fault, ctx: FaultContext, versions: dict, version: int, timeout_s: float) -> CellObservation:
+    """The nemesis' half of a cell: push `version` under `fault`, heal, read every engine. Raises only
+    if the fault could not be set up (the cell is then unknown)."""
+    obs = CellObservation(fault=fault, timeout_s=timeout_s, versions=versions, version=version)
+    fault.setup(ctx)
+    tensors = fault.arm(ctx, versions[version])
+    obs.victim_name = dep.processes()[ctx.victim].name if dep.processes() else None
+    t0 = time.monotonic()
+    try:
+        push(dep, version, tensors)
+    except Exception as exc:  # noqa: BLE001 - the failure is what the checker judges
+        obs.error = detached(exc)
+    obs.detect_s = time.monotonic() - t0
+    fault.disarm(ctx)
+    ctx.join_timers()
+    fault.heal(ctx)
+    obs.after_fault = read_engines(dep)
+    return obs
+
+
+def recover(dep, obs: CellObservation, version: int) -> None:
+    """The push after heal (no redeploy by hand), and the final oracle read."""
+    obs.recovery_version = version
+    t1 = time.monotonic()
+    try:
+        push(dep, version, obs.versions[version])
+    except Exception as exc:  # noqa: BLE001
+        obs.recovery_error = detached(exc)
+    obs.recover_s = time.monotonic() - t1
+    obs.after_recovery = read_engines(dep)
 
 
 def run_cell(
@@ -83,13 +140,8 @@ def run_cell(
         return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s)
     fault = FAULTS[fault_kind]()
     result = CellResult(backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s)
-    trigger_dir = workdir / "fault-triggers"
-    trigger_dir.mkdir(parents=True, exist_ok=True)
-    os.environ[COMMIT_FAIL_DIR_ENV] = str(trigger_dir)  # ranks are spawned with this environment
-    os.environ[fault_engines.INNER_ENGINE_ENV] = engine_path(engine)
-    spec = CELL_SPEC if caps.arbitrary_tensors else None
     try:
-        dep = with_timeout(backend, timeout_s).deploy(N_RECEIVERS, spec, str(workdir), engine="harness.faults.engines:make_engine")
+        dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
     except Exception as exc:  # noqa: BLE001 - a cell that cannot start is unknown, never ok
         result.reasons = [f"deploy failed: {type(exc).__name__}: {exc}"]
         return result
@@ -101,43 +153,24 @@ def run_cell(
             result.verdict, result.reasons = "not_applicable", [reason]
             return result
         model = dep.handles[0].engine.weight_spec()
-        versions = {v: _weights(model, seed * 10 + v) for v in (1, 2, 3)}
+        versions = {v: seeded_weights(model, seed * 10 + v) for v in (1, 2, 3)}
         seen.update({p.pid: p for p in dep.processes()})
         try:
             push(dep, 1, versions[1])
         except Exception as exc:  # noqa: BLE001
             result.reasons = [f"the clean push of version 1 failed before any fault: {type(exc).__name__}: {exc}"]
             return result
-        obs = CellObservation(fault=fault, timeout_s=timeout_s, versions=versions)
         try:
-            fault.setup(ctx)
-            tensors = fault.arm(ctx, versions[2])
+            obs = strike(dep, fault, ctx, versions, 2, timeout_s)
         except Exception as exc:  # noqa: BLE001 - the nemesis could not act: unknown
             result.reasons = [f"the fault could not be set up: {type(exc).__name__}: {exc}"]
             return result
-        obs.victim_name = dep.processes()[ctx.victim].name if dep.processes() else None
-        t0 = time.monotonic()
-        try:
-            push(dep, 2, tensors)
-        except Exception as exc:  # noqa: BLE001 - the failure is what the checker judges
-            obs.error = exc
-        obs.detect_s = time.monotonic() - t0
-        fault.disarm(ctx)
-        ctx.join_timers()
-        fault.heal(ctx)
         result.point = fault.describe(ctx)
-        obs.after_fault = _read_engines(dep)
         seen.update({p.pid: p for p in dep.processes()})
-        t1 = time.monotonic()
-        try:
-            push(dep, 3, versions[3])
-        except Exception as exc:  # noqa: BLE001
-            obs.recovery_error = exc
-        obs.recover_s = time.monotonic() - t1
-        obs.after_recovery = _read_engines(dep)
+        recover(dep, obs, 3)
         seen.update({p.pid: p for p in dep.processes()})
         result.verdict, result.reasons = judge_cell(obs)
-        result.error = None if obs.error is None else "".join(traceback.format_exception_only(obs.error)).strip()[-1500:]
+        result.error = obs.error_text()
         result.detect_s, result.recover_s = round(obs.detect_s, 3), round(obs.recover_s, 3)
         return result
     finally:
@@ -146,14 +179,14 @@ def run_cell(
             dep.close()
         finally:
             fault.teardown(ctx)
-        leaks = _leaks(seen.values(), workdir)
+        leaks = leaked(seen.values(), workdir)
         if leaks and result.verdict in ("ok", "fail"):
             result.verdict = "fail"
             result.reasons.append("leaked after close: " + "; ".join(leaks))
-        shutil.rmtree(trigger_dir, ignore_errors=True)
+        shutil.rmtree(workdir / "fault-triggers", ignore_errors=True)
 
 
-def _read_engines(dep) -> list[tuple[int, dict[str, torch.Tensor]] | str]:
+def read_engines(dep) -> list[tuple[int, dict[str, torch.Tensor]] | str]:
     """Oracle read of every engine: (version, weights), or why it cannot serve (its rank is down)."""
     out = []
     for h in dep.handles:
@@ -164,7 +197,7 @@ def _read_engines(dep) -> list[tuple[int, dict[str, torch.Tensor]] | str]:
     return out
 
 
-def _leaks(ranks, workdir: Path) -> list[str]:
+def leaked(ranks, workdir: Path) -> list[str]:
     """Processes, shared-memory segments and partial directories this cell created and left behind."""
     out = []
     alive = [r for r in ranks if _alive(r.pid)]

@@ -1,0 +1,120 @@
+"""The soak: many consecutive syncs on one deployment with a fault every N, each fault judged like a
+matrix cell (harness.checks.judge_cell); trainer RSS, fds and threads before and after, and leaks."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+from harness.api import Backend, Capabilities
+from harness.checks import judge_cell
+from harness.deployment import push
+from harness.faults.cell import (
+    DEFAULT_CELL_TIMEOUT_S,
+    deploy_for_faults,
+    leaked,
+    read_engines,
+    recover,
+    seeded_weights,
+    strike,
+)
+from harness.faults.injectors import FAULTS, FaultContext
+
+SOAK_BACKENDS = ("broadcast", "ipc")
+#: The faults a soak cycles through (those that need no mount or file-backed data plane).
+SOAK_FAULTS = ("receiver-kill", "receiver-stall", "trainer-raise", "payload-corrupt", "payload-cut", "commit-fail")
+WARMUP_SYNCS = 10
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 1000, fault_every: int = 20,
+             engine: str | None = None, caps: Capabilities | None = None,
+             timeout_s: float = DEFAULT_CELL_TIMEOUT_S, seed: int = 0) -> dict:
+    """Push versions 1..syncs; every `fault_every`-th push is struck by the next fault of SOAK_FAULTS
+    and the push after it is its recovery. Returns the report (JSON-able)."""
+    caps = caps or backend.capabilities
+    rng = random.Random(seed)
+    dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
+    seen = {p.pid: p for p in dep.processes()}
+    cells, clean_failures = [], []
+    t_start = time.monotonic()
+    baseline: dict[str, float] = {}
+    steady: dict[str, float] = {}
+    try:
+        model = dep.handles[0].engine.weight_spec()
+        committed = None  # weights of the newest version every engine holds
+        v, n_faults = 1, 0
+        while v <= syncs:
+            if v == WARMUP_SYNCS + 1:
+                baseline = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
+            tensors = seeded_weights(model, seed * 100_003 + v)
+            if v % fault_every == 0 and v < syncs:
+                kind = SOAK_FAULTS[n_faults % len(SOAK_FAULTS)]
+                n_faults += 1
+                fault = FAULTS[kind]()
+                if fault.applies(backend_name, caps, dep) is None:
+                    versions = {v: tensors, v + 1: seeded_weights(model, seed * 100_003 + v + 1)}
+                    if committed is not None:
+                        versions[v - 1] = committed
+                    ctx = FaultContext(dep, workdir, rng)
+                    obs = strike(dep, fault, ctx, versions, v, timeout_s)
+                    recover(dep, obs, v + 1)
+                    seen.update({p.pid: p for p in dep.processes()})
+                    verdict, reasons = judge_cell(obs)
+                    cells.append({"sync": v, "fault": kind, "point": fault.describe(ctx), "verdict": verdict,
+                                  "reasons": reasons, "error": obs.error_text(), "detect_s": round(obs.detect_s, 3),
+                                  "recover_s": round(obs.recover_s, 3)})
+                    committed = versions[v + 1] if obs.recovery_error is None else committed
+                    if n_faults == len(SOAK_FAULTS):  # every fault path has run once: allocators are warm
+                        steady = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
+                    v += 2
+                    continue
+            try:
+                push(dep, v, tensors)
+                committed = tensors
+            except Exception as exc:  # noqa: BLE001 - a clean push that fails is a soak failure
+                clean_failures.append(f"sync {v}: {type(exc).__name__}: {str(exc)[:300]}")
+            if v % 100 == 0:
+                bad = sum(c["verdict"] != "ok" for c in cells)
+                print(f"soak {backend_name}: {v}/{syncs} syncs, {len(cells)} faults ({bad} not ok), "
+                      f"{time.monotonic() - t_start:.0f}s", file=sys.stderr, flush=True)
+            v += 1
+        final = read_engines(dep)
+        wrong = [i for i, s in enumerate(final) if isinstance(s, str) or s[0] != syncs]
+        end = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
+    finally:
+        dep.close()
+    leaks = leaked(seen.values(), workdir)
+    leaks += clean_failures
+    if wrong:
+        leaks.append(f"engines {wrong} do not serve the last version {syncs} at the end")
+    ok = sum(c["verdict"] == "ok" for c in cells)
+    growth = {k: end[k] - baseline.get(k, end[k]) for k in end}
+    steady_growth = {k: end[k] - steady.get(k, end[k]) for k in end}  # after the first round of faults
+    return {
+        "backend": backend_name, "syncs": syncs, "fault_every": fault_every, "timeout_s": timeout_s,
+        "seconds": round(time.monotonic() - t_start, 1), "cells": cells,
+        "rss_start_mib": round(baseline.get("rss", 0), 1), "rss_end_mib": round(end["rss"], 1),
+        "rss_growth_mib": round(growth["rss"], 1), "fds_growth": growth["fds"], "threads_growth": growth["threads"],
+        "steady_rss_growth_mib": round(steady_growth["rss"], 1), "steady_fds_growth": steady_growth["fds"],
+        "steady_threads_growth": steady_growth["threads"],
+        "restarts": getattr(dep, "restarts", None), "leaks": leaks,
+        "summary": f"{syncs} syncs, {len(cells)} faults, {ok} ok, {len(cells) - ok} not ok; RSS +{growth['rss']:.0f} MiB "
+                   f"(+{steady_growth['rss']:.0f} after the first round of faults), fds {growth['fds']:+d}, "
+                   f"threads {growth['threads']:+d}, restarts {getattr(dep, 'restarts', '?')}",
+    }
