@@ -111,8 +111,10 @@ def push(
             if i == 0:  # nothing committed anywhere
                 raise
             versions = [_version_of(h) for h in deployment.handles]
+            ranks = deployment.processes()
+            who = f"engine {i} ({ranks[i].name})" if len(ranks) > i else f"engine {i}"
             raise PartialCommitError(
-                f"finish_weight_update({version}) failed on engine {i} after engine(s) {list(range(i))} committed; "
+                f"finish_weight_update({version}) failed on {who} after engine(s) {list(range(i))} committed; "
                 f"engines now serve versions {versions} (the next push converges them): {type(exc).__name__}: {exc}",
                 versions,
             ) from exc

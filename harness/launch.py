@@ -136,6 +136,12 @@ class _RankServer:
             return e.reset_prefix_cache(), None
         if op == "ping":
             return os.getpid(), None
+        if op == "serve_control":  # this rank's engine and receiver behind the HTTP control plane
+            from harness.control.server import ControlServer, ServerConfig, ServerThread
+
+            cfg = ServerConfig(token=args["token"], allowed_dirs=tuple(Path(d) for d in args["allowed_dirs"]))
+            self.control = ServerThread(ControlServer(e, r, cfg)).start()
+            return self.control.url, None
         raise ValueError(f"unknown rank op {op!r}")
 
 
@@ -436,7 +442,7 @@ class RankDeployment(Deployment):
             for f in futures:
                 if f.exception() is not None:
                     raise f.exception()
-            self.handles = [EngineHandle(RemoteReceiver(r), RemoteEngine(r)) for r in self.ranks]
+            self.handles = [self._handle_for(r) for r in self.ranks]
             self.connect()
         except BaseException:
             self.close()
@@ -446,6 +452,10 @@ class RankDeployment(Deployment):
         """Start receiver rank `rank` (first start and restarts); a subclass may place it elsewhere."""
         return RankProcess(rank, self._receiver_path, self._engine, self._spec, self._log_dir,
                            self.timeout_s * RPC_SLACK)
+
+    def _handle_for(self, rank: RankProcess) -> EngineHandle:
+        """How the trainer talks to a rank's receiver and engine (here: over its pipe)."""
+        return EngineHandle(RemoteReceiver(rank), RemoteEngine(rank))
 
     def connect(self) -> None:
         """sender.init() and every rank's init_transfer_engine, concurrently; the first error is raised."""
@@ -480,13 +490,19 @@ class RankDeployment(Deployment):
                 r.stop(timeout=2.0)
                 fresh = self._spawn_rank(r.rank)
                 self.ranks[i] = fresh
-                self.handles[i].receiver, self.handles[i].engine = RemoteReceiver(fresh), RemoteEngine(fresh)
+                handle = self._handle_for(fresh)
+                self.handles[i].receiver, self.handles[i].engine = handle.receiver, handle.engine
                 self.restarts += 1
                 restarted = True
         return restarted
 
     def recover(self) -> None:
         self._restart_unhealthy()
+        for h in self.handles:  # an update left open on a rank that was unreachable when push aborted
+            try:
+                h.receiver.abort_weight_update()
+            except WeightSyncError:
+                pass
         self.sender.reset_base()  # a restarted engine holds version 0: delta must send whole tensors
         self.connect()
 

@@ -16,6 +16,12 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "delta-ipc": "harness.paths.delta:make_ipc_backend",
 }
 
+#: Named backends outside the default selection: the control plane needs a rank restart per fresh
+#: engine, so it runs in the fault matrix (and on request), not through every conformance test.
+EXTRA_BACKENDS: dict[str, str] = {
+    "control": "harness.paths.control:make_backend",
+}
+
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": DEFAULT_ENGINE,
     "reference-tied": "harness.engines.reference:make_tied_engine",
@@ -46,9 +52,11 @@ def load_object(path: str) -> Any:
 
 def resolve_backend(name: str) -> Backend:
     """A built-in name (see BUILTIN_BACKENDS) or an import path to a zero-argument factory."""
-    path = BUILTIN_BACKENDS.get(name, name)
+    path = BUILTIN_BACKENDS.get(name) or EXTRA_BACKENDS.get(name, name)
     if ":" not in path:
-        raise BackendError(f"unknown backend {name!r}; built-in: {sorted(BUILTIN_BACKENDS)}, or give 'pkg.module:factory'")
+        raise BackendError(
+            f"unknown backend {name!r}; built-in: {sorted({**BUILTIN_BACKENDS, **EXTRA_BACKENDS})}, or give 'pkg.module:factory'"
+        )
     backend = load_object(path)()
     for attr in ("name", "capabilities", "deploy"):
         if not hasattr(backend, attr):

@@ -279,7 +279,8 @@ class BlockedRead(_TapFault):
 
     def applies(self, backend, caps, deployment):
         return super().applies(backend, caps, deployment) or (
-            None if backend == "disk" else "the data plane is not files (only file-backed paths can hang in read())"
+            None if hasattr(deployment.sender, "run_dir")
+            else "the data plane is not files (only file-backed paths can hang in read())"
         )
 
     def on_unit(self, ctx, unit, data, where):

@@ -19,7 +19,7 @@ from harness.faults.cell import with_timeout
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.single_receiver]
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = 3.0
 
 
 def _weights(dep, seed):

@@ -1,5 +1,5 @@
 """The fault matrix: every fault kind against every selected path, with the reference engine (or the one
-selected). Each cell pushes version 1 cleanly, pushes version 2 under the fault, heals, pushes version 3,
+selected; with the default selection the HTTP control plane gets a column too). Each cell pushes version 1 cleanly, pushes version 2 under the fault, heals, pushes version 3,
 and is judged (harness.checks.judge_cell): safety (every engine serves one committed version bit for bit),
 bounded (the failing push returns within 2x the timeout with a specific error naming the receiver),
 agreement (nothing reports success while engines differ), recovery (version 3 everywhere, no redeploy by
@@ -18,6 +18,7 @@ import pytest
 from harness.faults.cell import DEFAULT_CELL_TIMEOUT_S, run_cell
 from harness.faults.injectors import FAULTS
 from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN
+from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 
 pytestmark = pytest.mark.multiproc
 
@@ -26,7 +27,10 @@ def pytest_generate_tests(metafunc):
     if "fault_cell" not in metafunc.fixturenames:
         return
     config = metafunc.config
-    backends = [n.strip() for n in config.getoption("--weightsync-backend").split(",") if n.strip()]
+    option = config.getoption("--weightsync-backend")
+    backends = [n.strip() for n in option.split(",") if n.strip()]
+    if option == ",".join(BUILTIN_BACKENDS):  # the default selection: the control plane gets its column too
+        backends += list(EXTRA_BACKENDS)
     fixed = config.getoption("--weightsync-fault-seed")
     cells = []
     for backend in backends:
@@ -39,8 +43,9 @@ def pytest_generate_tests(metafunc):
 
 def test_fault_cell(fault_cell, selection, tmp_path, request):
     backend_name, kind, seed = fault_cell
-    result = run_cell(selection.backends[backend_name], backend_name, kind, seed, tmp_path,
-                      engine=selection.engine, caps=selection.capabilities(backend_name))
+    backend = selection.backends.get(backend_name) or resolve_backend(backend_name)
+    result = run_cell(backend, backend_name, kind, seed, tmp_path, engine=selection.engine,
+                      caps=backend.capabilities.restricted_by(selection.engine_caps))
     request.config._weightsync_outcomes.setdefault(request.node.nodeid, {})["fault_cell"] = result.to_json()
     rerun = (f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}' "
              f"--weightsync-backend={backend_name} --weightsync-fault-seed={seed}")

@@ -1,0 +1,121 @@
+"""The HTTP control plane as a path: vLLM's RL routes (/start_weight_update, /update_weights,
+/finish_weight_update...) drive every engine's lifecycle over HTTP while the tensors move on the disk
+data plane. Each engine and its control server live in a rank process, so a server can be killed or
+frozen like any rank; the oracle reads weights over the rank's pipe, never over HTTP.
+
+A call that gets no answer in time is the supervisor's business, as for a pipe-driven rank: the rank is
+killed (stacks dumped first) and the next push restarts it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+from pathlib import Path
+
+from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, EngineHandle, TransferError, WeightSpec
+from harness.control.client import ControlClient, Timeouts
+from harness.control.remote import RemoteEngine as HttpEngine
+from harness.control.remote import RemoteReceiver as HttpReceiver
+from harness.launch import RankDeployment, RankProcess
+from harness.paths.disk import DiskSender
+
+
+class SupervisedHttpReceiver(HttpReceiver):
+    """The four phases over HTTP; an error names the rank, and a call that got no answer in time has
+    its rank killed (it may be frozen or blocked in a read: only a restart frees it)."""
+
+    def __init__(self, client: ControlClient, rank: RankProcess):
+        super().__init__(client)
+        self.rank = rank
+
+    def _supervised(self, call, *args):
+        try:
+            return call(*args)
+        except TransferError as exc:  # no answer, or no connection: the server cannot be trusted now
+            self._kill(str(exc).splitlines()[0])
+            exc.add_note(f"receiver: rank {self.rank.rank} (pid {self.rank.pid}, {self.client.base_url}) killed; log "
+                         f"tail:\n{self.rank.log_tail(10)}")
+            raise
+        except Exception as exc:
+            exc.add_note(f"receiver: rank {self.rank.rank} ({self.client.base_url})")
+            raise
+
+    def _kill(self, why: str) -> None:
+        if self.rank.process.is_alive():
+            try:
+                os.kill(self.rank.pid, signal.SIGUSR1)  # faulthandler: the stacks go to its log
+            except ProcessLookupError:
+                pass
+            self.rank.process.join(0.5)
+            self.rank.process.kill()
+            self.rank.process.join(5.0)
+        self.rank._broken = f"no answer over HTTP ({why})"  # noqa: SLF001 - the supervisor's verdict
+
+    def init_transfer_engine(self, init_info: JSON) -> None:
+        self._supervised(super().init_transfer_engine, init_info)
+
+    def start_weight_update(self) -> None:
+        self._supervised(super().start_weight_update)
+
+    def update_weights(self, update_info: JSON) -> None:
+        self._supervised(super().update_weights, update_info)
+
+    def finish_weight_update(self, version: int) -> None:
+        self._supervised(super().finish_weight_update, version)
+
+    def abort_weight_update(self) -> None:
+        self._supervised(super().abort_weight_update)
+
+
+class ControlDeployment(RankDeployment):
+    """Disk sender in the trainer; per rank an engine, a DiskReceiver and a control server."""
+
+    def __init__(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None, timeout_s: float):
+        self._token = secrets.token_urlsafe(24)
+        self._root = Path(workdir) / "checkpoints"
+        # one attempt per call, half the timeout: a finish whose answer is lost also asks /weight_info,
+        # and the failed push then aborts everywhere; all of it must fit in 2x the timeout
+        self._timeouts = Timeouts(connect=timeout_s / 2, control=timeout_s / 2, update=timeout_s / 2,
+                                  write=timeout_s / 2, pause=timeout_s, stream_idle=timeout_s)
+        self._clients: list[ControlClient] = []
+        super().__init__(DiskSender(self._root), "harness.paths.disk:DiskReceiver", n_receivers, spec, engine,
+                         workdir, lambda info, rank: info, timeout_s)
+
+    def _handle_for(self, rank: RankProcess) -> EngineHandle:
+        url = rank.call("serve_control", token=self._token, allowed_dirs=[str(self._root)])
+        client = ControlClient(url, token=self._token, timeouts=self._timeouts, retries=0)
+        self._clients.append(client)
+        return EngineHandle(SupervisedHttpReceiver(client, rank), HttpEngine(client, oracle=lambda: rank.call("read_weights")))
+
+    def reset(self, spec: WeightSpec | None = None) -> None:
+        """Fresh engines: every rank is restarted (a server holds its engine for its lifetime)."""
+        self._spec = spec
+        for r in self.ranks:
+            r._broken = "reset: replaced by a fresh rank"  # noqa: SLF001
+        self._restart_unhealthy()
+        self.sender.reset()
+        self.connect()
+
+    def close(self) -> None:
+        for c in self._clients:
+            c.close()
+        super().close()
+
+
+class ControlBackend(Backend):
+    """Built-in backend `control`: the HTTP control plane (vLLM's RL routes) over the disk data plane."""
+
+    name = "control"
+    capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True)
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.timeout_s = timeout_s
+
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+        return ControlDeployment(n_receivers, spec, workdir, engine, self.timeout_s)
+
+
+def make_backend() -> ControlBackend:
+    return ControlBackend()
