@@ -42,6 +42,7 @@ from harness.api import (
     WeightSpec,
     WeightSyncError,
 )
+from harness.procs import describe_exit, process_state
 from harness.registry import engine_path, load_object, make_engine
 
 DEFAULT_RPC_TIMEOUT = 120.0
@@ -50,25 +51,6 @@ START_TIMEOUT = 600.0  # spawning a rank builds its engine (a real vLLM takes mi
 #: plane's own timeout fires first with its specific error; the kill is the backstop (a blocked read).
 RPC_SLACK = 1.5
 POLL_INTERVAL = 0.05  # how often a waiting parent checks that the rank is still alive
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """'exit code 3' or 'killed by SIGKILL': how a dead rank's end reads in an error."""
-    if exitcode is not None and exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-def process_state(pid: int | None) -> str:
-    """The kernel's one-letter state of a process ('T': stopped by a signal), '?' if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
 
 
 # ============================================================================ rank side

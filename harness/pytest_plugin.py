@@ -94,14 +94,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--weightsync-fault-seeds",
         type=int,
-        default=int(os.environ.get("WEIGHTSYNC_FAULT_SEEDS", "1")),
-        help="seeds per fault cell (each draws its own fault point: receiver, delay, byte); default 1",
+        default=int(os.environ.get("WEIGHTSYNC_FAULT_SEEDS", "0")),
+        help="seeds per fault cell (each draws its own fault point: receiver, call, delay, byte); default 1, "
+        "10 under the hypothesis profile 'thorough'",
     )
     group.addoption(
         "--weightsync-fault-seed",
         type=int,
         default=None,
         help="run every fault cell with exactly this seed (the rerun line of a failed cell gives it)",
+    )
+    group.addoption(
+        "--weightsync-fault-timeout",
+        type=float,
+        default=3.0,
+        help="the timeout (s) fault cells give the backend; a failing push must return within 2x it (default 3; "
+        "real vLLM needs more)",
     )
     group.addoption(
         "--weightsync-soak-out",

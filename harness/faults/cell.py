@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from harness.checks import CellObservation, judge_cell
 from harness.deployment import push
 from harness.faults import engines as fault_engines
 from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, PRIVATE_SHM_ENV, Fault, FaultContext
-from harness.launch import process_state
+from harness.procs import pid_alive
 from harness.paths.ipc import own_segments
 from harness.registry import engine_path
 
@@ -200,7 +199,7 @@ def read_engines(dep) -> list[tuple[int, dict[str, torch.Tensor]] | str]:
 def leaked(ranks, workdir: Path) -> list[str]:
     """Processes, shared-memory segments and partial directories this cell created and left behind."""
     out = []
-    alive = [r for r in ranks if _alive(r.pid)]
+    alive = [r for r in ranks if pid_alive(r.pid)]
     if alive:
         out.append(f"rank processes still running: {[f'{r.name} pid {r.pid}' for r in alive]}")
     segments = own_segments()
@@ -212,8 +211,6 @@ def leaked(ranks, workdir: Path) -> list[str]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    return process_state(pid) not in ("?", "Z")  # a zombie is gone, only not yet reaped
 
 
 PRIVATE_SHM_BYTES = 64 << 20
@@ -231,7 +228,7 @@ def run_cell_in_private_shm(backend_name: str, fault_kind: str, seed: int, workd
     if engine:
         argv += ["--engine", engine]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, PRIVATE_SHM_ENV: "1"},
+        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, PRIVATE_SHM_ENV: "1"}, check=False,
                               timeout=20 * timeout_s + 120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return CellResult(backend_name, fault_kind, seed, "unknown", [f"private /dev/shm: {exc}"], timeout_s=timeout_s)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness.api import Engine, WeightSpec
 from harness.faults.injectors import COMMIT_FAIL_DIR_ENV
+from harness.registry import engine_path, load_object
 from harness.registry import make_engine as make_named_engine
 
 INNER_ENGINE_ENV = "WEIGHTSYNC_FAULT_INNER_ENGINE"
@@ -29,3 +30,9 @@ def make_engine(spec: WeightSpec | None = None) -> Engine:
 
     engine.commit_weights = commit_weights  # type: ignore[method-assign]
     return engine
+
+
+# a rank leaves thread binding to engines that manage it (vLLM): the wrapper says what the wrapped says
+make_engine.manages_threads = bool(  # type: ignore[attr-defined]
+    getattr(load_object(engine_path(os.environ.get(INNER_ENGINE_ENV))), "manages_threads", False)
+)

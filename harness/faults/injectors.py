@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -58,20 +57,20 @@ class Fault(abc.ABC):
     def applies(self, backend: str, caps: Capabilities, deployment: Deployment) -> str | None:
         return None
 
-    def setup(self, ctx: FaultContext) -> None:  # noqa: B027 - most faults need none
+    def setup(self, ctx: FaultContext) -> None:
         """Before the faulty push (after the first, clean one)."""
 
     @abc.abstractmethod
     def arm(self, ctx: FaultContext, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Install the trigger for the next push; returns the tensors the trainer will push."""
 
-    def disarm(self, ctx: FaultContext) -> None:  # noqa: B027 - most triggers remove themselves
+    def disarm(self, ctx: FaultContext) -> None:
         """The faulty push returned: remove whatever trigger is left."""
 
-    def heal(self, ctx: FaultContext) -> None:  # noqa: B027 - a dead process needs no heal
+    def heal(self, ctx: FaultContext) -> None:
         """Undo the fault (resume a stopped rank, free the disk...)."""
 
-    def teardown(self, ctx: FaultContext) -> None:  # noqa: B027 - most faults leave nothing behind
+    def teardown(self, ctx: FaultContext) -> None:
         """After the cell: remove what setup built (mounts)."""
 
     def describe(self, ctx: FaultContext) -> str:
@@ -245,11 +244,11 @@ class PayloadCorrupt(_TapFault):
 
     def on_unit(self, ctx, unit, data, where):
         if self.unit is not None or data.numel() == 0:
-            return None
+            return
         self.unit, self.byte, self.bit = unit, ctx.rng.randrange(data.numel() // 2, data.numel()), ctx.rng.randrange(8)
         data[self.byte] ^= 1 << self.bit
         ctx.note(f"bit {self.bit} of byte {self.byte} flipped in unit {unit} ({where or 'in flight'})")
-        return None
+        return
 
     def describe(self, ctx):
         return f"payload-corrupt unit {self.unit} byte {getattr(self, 'byte', '?')} bit {getattr(self, 'bit', '?')}"
@@ -285,13 +284,13 @@ class BlockedRead(_TapFault):
 
     def on_unit(self, ctx, unit, data, where):
         if self.unit is not None or not where or not os.path.isfile(where):
-            return None
+            return
         self.unit = unit
         os.unlink(where)
         os.mkfifo(where)  # opened for reading, it blocks until a writer comes: none will
         self._fifo = where
         ctx.note(f"shard {where} replaced by a FIFO")
-        return None
+        return
 
     def heal(self, ctx):
         fifo = getattr(self, "_fifo", None)
@@ -383,7 +382,7 @@ class StorageFull(Fault):
 
 
 def _run(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode:
         raise OSError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
 

@@ -14,7 +14,15 @@ import secrets
 import signal
 from pathlib import Path
 
-from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, EngineHandle, TransferError, WeightSpec
+from harness.api import (
+    DEFAULT_TIMEOUT_S,
+    JSON,
+    Backend,
+    Capabilities,
+    EngineHandle,
+    TransferError,
+    WeightSpec,
+)
 from harness.control.client import ControlClient, Timeouts
 from harness.control.remote import RemoteEngine as HttpEngine
 from harness.control.remote import RemoteReceiver as HttpReceiver
@@ -51,7 +59,7 @@ class SupervisedHttpReceiver(HttpReceiver):
             self.rank.process.join(0.5)
             self.rank.process.kill()
             self.rank.process.join(5.0)
-        self.rank._broken = f"no answer over HTTP ({why})"  # noqa: SLF001 - the supervisor's verdict
+        self.rank._broken = f"no answer over HTTP ({why})"
 
     def init_transfer_engine(self, init_info: JSON) -> None:
         self._supervised(super().init_transfer_engine, init_info)
@@ -93,7 +101,7 @@ class ControlDeployment(RankDeployment):
         """Fresh engines: every rank is restarted (a server holds its engine for its lifetime)."""
         self._spec = spec
         for r in self.ranks:
-            r._broken = "reset: replaced by a fresh rank"  # noqa: SLF001
+            r._broken = "reset: replaced by a fresh rank"
         self._restart_unhealthy()
         self.sender.reset()
         self.connect()

@@ -17,6 +17,7 @@ import torch
 
 from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Tap, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import Manifest
+from harness.procs import pid_alive
 from harness.paths.base import StagingReceiver
 
 MANIFEST_FILE = "manifest.json"
@@ -51,22 +52,12 @@ def shard_name(bucket: int) -> str:
 TMP_MARK = ".tmp-"  # a directory being written: `.<final name>.tmp-<writer pid>`
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_abandoned(root: Path) -> list[Path]:
     """Remove the temporary directories of writers that died mid-write (their pid is gone)."""
     removed = []
     for d in root.glob(f".*{TMP_MARK}*"):
         pid = d.name.rsplit(TMP_MARK, 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed

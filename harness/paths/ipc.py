@@ -21,6 +21,7 @@ import torch
 
 from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import Manifest
+from harness.procs import pid_alive
 from harness.paths.base import StagingReceiver
 
 TOKEN_BYTES = 16  # every buffer starts with the sync's token; payload follows
@@ -86,6 +87,7 @@ class IpcSender(Sender):
         self._cuda_buffers: list[torch.Tensor] = []
 
     def init(self) -> JSON:
+        sweep_abandoned_segments()  # a trainer killed mid-sync left its segments in /dev/shm (RAM)
         return {"kind": "cuda" if self.device.type == "cuda" else "shm"}
 
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
@@ -243,3 +245,18 @@ def own_segments(pid: int | None = None) -> list[str]:
     """Segments a trainer (this process by default) created and has not released."""
     prefix = f"{SEGMENT_PREFIX}{pid or os.getpid()}-"
     return [n for n in live_segments() if n.startswith(prefix)]
+
+
+def sweep_abandoned_segments() -> list[str]:
+    """Unlink the segments of trainers that died (their pid is gone): a SIGKILLed trainer cannot
+    release what it allocated, and its resource tracker may have died with it."""
+    removed = []
+    for name in live_segments():
+        pid = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            try:
+                os.unlink(f"/dev/shm/{name}")
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed

@@ -14,9 +14,12 @@ from __future__ import annotations
 import zlib
 
 import pytest
+from hypothesis import settings
 
-from harness.faults.cell import DEFAULT_CELL_TIMEOUT_S, run_cell
+from harness.faults.cell import run_cell
 from harness.faults.injectors import FAULTS
+from harness.faults.trainer_kill import KIND as TRAINER_KILL
+from harness.faults.trainer_kill import run_trainer_kill_cell
 from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN
 from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 
@@ -32,11 +35,12 @@ def pytest_generate_tests(metafunc):
     if option == ",".join(BUILTIN_BACKENDS):  # the default selection: the control plane gets its column too
         backends += list(EXTRA_BACKENDS)
     fixed = config.getoption("--weightsync-fault-seed")
+    n_seeds = config.getoption("--weightsync-fault-seeds") or (10 if settings._current_profile == "thorough" else 1)
     cells = []
     for backend in backends:
-        for kind in FAULTS:
+        for kind in [*FAULTS, TRAINER_KILL]:
             base = zlib.crc32(f"{backend}/{kind}".encode()) % 100_000
-            seeds = [fixed] if fixed is not None else [base + i for i in range(config.getoption("--weightsync-fault-seeds"))]
+            seeds = [fixed] if fixed is not None else [base + i for i in range(n_seeds)]
             cells += [(backend, kind, seed) for seed in seeds]
     metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-s{s}" for b, k, s in cells])
 
@@ -44,8 +48,12 @@ def pytest_generate_tests(metafunc):
 def test_fault_cell(fault_cell, selection, tmp_path, request):
     backend_name, kind, seed = fault_cell
     backend = selection.backends.get(backend_name) or resolve_backend(backend_name)
-    result = run_cell(backend, backend_name, kind, seed, tmp_path, engine=selection.engine,
-                      caps=backend.capabilities.restricted_by(selection.engine_caps))
+    timeout_s = request.config.getoption("--weightsync-fault-timeout")
+    if kind == TRAINER_KILL:  # the trainer itself dies: it runs in a child process
+        result = run_trainer_kill_cell(backend_name, seed, tmp_path, selection.engine, timeout_s)
+    else:
+        result = run_cell(backend, backend_name, kind, seed, tmp_path, engine=selection.engine, timeout_s=timeout_s,
+                          caps=backend.capabilities.restricted_by(selection.engine_caps))
     request.config._weightsync_outcomes.setdefault(request.node.nodeid, {})["fault_cell"] = result.to_json()
     rerun = (f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}' "
              f"--weightsync-backend={backend_name} --weightsync-fault-seed={seed}")
@@ -54,7 +62,7 @@ def test_fault_cell(fault_cell, selection, tmp_path, request):
     if result.verdict == "unknown":
         pytest.skip(f"{UNKNOWN}: {kind} on {backend_name}: {'; '.join(result.reasons)}")
     assert result.verdict == "ok", (
-        f"fault cell {backend_name} x {kind} (seed {seed}, {result.point}, timeout {DEFAULT_CELL_TIMEOUT_S:g}s):\n  "
+        f"fault cell {backend_name} x {kind} (seed {seed}, {result.point}, timeout {timeout_s:g}s):\n  "
         + "\n  ".join(result.reasons)
         + f"\nerror of the faulty push: {result.error}\nwhat the nemesis did: {result.log}\nrerun: {rerun}"
     )

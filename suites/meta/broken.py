@@ -26,7 +26,7 @@ class SignLosingBackend(DiskBackend):
     def deploy(self, n_receivers, spec, workdir, engine=None):
         dep = super().deploy(n_receivers, spec, workdir, engine)
         broken = SignLosingSender(dep.sender.root)
-        broken._run = dep.sender._run  # noqa: SLF001 - same run directory layout
+        broken._run = dep.sender._run
         dep.sender = broken
         return dep
 
@@ -83,7 +83,7 @@ class _SwallowingReceiver:
     def finish_weight_update(self, version):
         try:
             self.inner.finish_weight_update(version)
-        except Exception:  # noqa: BLE001 - the defect under test
+        except Exception:  # noqa: BLE001, S110 - the defect under test
             pass
 
 
@@ -106,7 +106,7 @@ class NoRestartBackend(DiskBackend):
 
     def deploy(self, n_receivers, spec, workdir, engine=None):
         dep = super().deploy(n_receivers, spec, workdir, engine)
-        dep._restart_unhealthy = lambda: False  # noqa: SLF001 - the defect under test
+        dep._restart_unhealthy = lambda: False
         return dep
 
 
