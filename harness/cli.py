@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.api import WeightSyncError
-from harness.registry import BUILTIN_BACKENDS, resolve_backend
+from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
@@ -45,7 +45,7 @@ def run_conformance(backend: str, engine: str, out: Path, profile: str, receiver
         f"--weightsync-results={results}", f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
     ]
     if suite == "faults":
-        cmd += ["-m", "not docker"]
+        cmd += ["-m", "not docker and not slow"]  # the Docker tier and the soak run on their own
     if suite == "conformance" and backend != "broadcast":  # these drive BroadcastBackend itself, whatever is selected: run them once
         for test in BROADCAST_LAUNCHER_TESTS:
             cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
@@ -96,6 +96,9 @@ def certify(args: argparse.Namespace) -> int:
             for rx in counts:
                 with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ..."):
                     rows += measure_sync(backend, [s << 20 for s in args.sizes_mib], rx, repeats=args.repeats)
+    if not args.no_faults and args.default_selection:  # the control plane: a column of the fault matrix only
+        for name in EXTRA_BACKENDS:
+            faults[name] = run_conformance(name, args.engine, out, args.profile, args.receivers, suite="faults")
     report = write_report(out, results, rows, command, faults)
     if rows:
         table = Table(title="sync throughput (median full lifecycle)")
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
     args = parser.parse_args(argv)
     if args.command == "certify":
+        args.default_selection = not args.backend
         args.backend = args.backend or list(BUILTIN_BACKENDS)
         return certify(args)
     return 2

@@ -211,21 +211,8 @@ def deploy_broadcast(backend, host, n_receivers: int, spec: WeightSpec | None, w
     """What BroadcastBackend.deploy builds, with the receiver ranks in containers on `host`: the sender
     hosts its store on the bridge gateway (the trainer's address as the containers see it). The trainer
     process needs host.trainer_env() in its environment (GLOO_SOCKET_IFNAME: gloo must listen on the bridge)."""
-    from harness.paths.broadcast import BroadcastSender
-
-    return ContainerRankDeployment(
-        host,
-        sender=BroadcastSender(n_receivers, backend.backend, backend.bucket_bytes, backend.timeout_s,
-                               addr=host.gateway_ip()),
-        receiver_path="harness.paths.broadcast:BroadcastReceiver",
-        n_receivers=n_receivers,
-        spec=spec,
-        engine=engine,
-        workdir=workdir,
-        rank_init_info=lambda info, rank: {**info, "rank": rank},
-        timeout=backend.timeout_s,
-        container_options=container_options,
-    )
+    return backend.deploy_with(ContainerRankDeployment, n_receivers, spec, workdir, engine, addr=host.gateway_ip(),
+                               host=host, container_options=container_options)
 
 
 if __name__ == "__main__":

@@ -263,8 +263,14 @@ class BroadcastBackend(Backend):
     def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
         from harness.launch import RankDeployment
 
-        return RankDeployment(
-            sender=BroadcastSender(n_receivers, self.backend, self.bucket_bytes, self.timeout_s),
+        return self.deploy_with(RankDeployment, n_receivers, spec, workdir, engine)
+
+    def deploy_with(self, deployment_cls, n_receivers: int, spec: WeightSpec | None, workdir: str,
+                    engine: str | None = None, addr: str | None = None, **extra):
+        """This path's wiring in another RankDeployment class (ranks placed elsewhere, e.g. containers),
+        the sender's store at `addr` (the trainer's address as the ranks see it)."""
+        return deployment_cls(
+            sender=BroadcastSender(n_receivers, self.backend, self.bucket_bytes, self.timeout_s, addr=addr),
             receiver_path="harness.paths.broadcast:BroadcastReceiver",
             n_receivers=n_receivers,
             spec=spec,
@@ -272,6 +278,7 @@ class BroadcastBackend(Backend):
             workdir=workdir,
             rank_init_info=lambda info, rank: {**info, "rank": rank},
             timeout=self.timeout_s,
+            **extra,
         )
 
 
