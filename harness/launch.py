@@ -255,7 +255,7 @@ class RankProcess:
                 stopped = process_state(self.pid) == "T"  # SIGSTOPped: it cannot dump its stacks
                 if not stopped:
                     os.kill(self.process.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
-                    self.process.join(1.0)
+                    self.process.join(0.25)  # the dump takes milliseconds; the kill must stay inside the bound
                 self.process.kill()
                 self.process.join(5.0)
                 why = "it was stopped (SIGSTOP)" if stopped else f"stacks in {self.log_path}"

@@ -107,8 +107,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--weightsync-fault-timeout",
         type=float,
-        default=3.0,
-        help="the timeout (s) fault cells give the backend; a failing push must return within 2x it (default 3; "
+        default=4.0,
+        help="the timeout (s) fault cells give the backend; a failing push must return within 2x it (default 4; "
         "real vLLM needs more)",
     )
     group.addoption(

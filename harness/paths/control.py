@@ -56,7 +56,7 @@ class SupervisedHttpReceiver(HttpReceiver):
                 os.kill(self.rank.pid, signal.SIGUSR1)  # faulthandler: the stacks go to its log
             except ProcessLookupError:
                 pass
-            self.rank.process.join(0.5)
+            self.rank.process.join(0.25)
             self.rank.process.kill()
             self.rank.process.join(5.0)
         self.rank._broken = f"no answer over HTTP ({why})"

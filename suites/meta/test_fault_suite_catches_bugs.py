@@ -28,4 +28,4 @@ def test_fault_suite_fails_a_timeout_that_is_not_honoured(pytester):
     # the stall lands at a seeded point; over two seeds at least one lands inside a call
     result = _run(pytester, "make_ignored_timeout_backend", "receiver-stall", "--weightsync-fault-seeds=2")
     assert result.parseoutcomes().get("failed", 0) >= 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*over 2x the 3s timeout*"])
+    result.stdout.fnmatch_lines(["*over 2x the 4s timeout*"])

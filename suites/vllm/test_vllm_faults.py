@@ -1,7 +1,7 @@
 """The fault matrix (suites/faults) with real vLLM as the engine, over disk and broadcast: the cells that
 apply to a fixed model with one receiver (kill, stall, trainer raise and kill, corruption, cut, blocked
 read, full disk) run against vLLM inside rank processes; the rest report NOT_SUPPORTED with the reason.
-A restarted rank starts a new vLLM engine, so the timeout is 20 s here instead of 3."""
+A restarted rank starts a new vLLM engine, so the timeout is 20 s here instead of 4."""
 
 from __future__ import annotations
 
