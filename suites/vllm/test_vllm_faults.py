@@ -1,7 +1,7 @@
 """The fault matrix (suites/faults) with real vLLM as the engine, over disk and broadcast: the cells that
 apply to a fixed model with one receiver (kill, stall, trainer raise and kill, corruption, cut, blocked
 read, full disk) run against vLLM inside rank processes; the rest report NOT_SUPPORTED with the reason.
-A restarted rank starts a new vLLM engine, so the timeout is 20 s here instead of 4."""
+A restarted rank starts a new vLLM engine, so the timeout is 10 s here instead of 4."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_fault_matrix_passes_with_vllm_as_the_engine(backend, tmp_path):
     cmd = [
         sys.executable, "-m", "pytest", "suites/faults/test_fault_matrix.py", "-q", "-p", "no:cacheprovider",
         "-p", "no:randomly", "--weightsync-engine=vllm", f"--weightsync-backend={backend}",
-        "--weightsync-fault-timeout=20", f"--weightsync-results={results}",
+        "--weightsync-fault-timeout=10", f"--weightsync-results={results}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, check=False)
     assert results.exists(), f"the fault suite wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
