@@ -19,6 +19,7 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(1500)  # a dozen cells, each starting vLLM ranks: minutes, past the 300 s default
 @pytest.mark.parametrize("backend", ["disk", "broadcast"])
 def test_fault_matrix_passes_with_vllm_as_the_engine(backend, tmp_path):
     results = tmp_path / "results.json"
