@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ["disk", "broadcast"]
 
 
+@pytest.mark.timeout(1500)  # disk readers are ranks now: every fresh engine is a vLLM started in a rank (~290 s)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generic_conformance_suite_passes_with_vllm_as_the_engine(backend, tmp_path):
     results = tmp_path / "results.json"
