@@ -38,7 +38,6 @@ from harness.api import (
     Sender,
     TensorSpec,
     TokenEvent,
-    TransferError,
     WeightSpec,
     WeightSyncError,
 )
