@@ -222,6 +222,7 @@ class Capabilities:
     pause_modes: frozenset[str] = frozenset(PAUSE_MODES)
     arbitrary_tensors: bool = True  # engine accepts any (name, shape, dtype) spec, not only a fixed model
     interposable: bool = False  # the sender calls `Sender.tap` on every unit of payload (fault injection)
+    http_control: bool = False  # the lifecycle goes over HTTP: each handle's receiver has a ControlClient `.client`
 
     def restricted_by(self, engine: Capabilities) -> Capabilities:
         """What a (backend, engine) pair can do: what both support."""
@@ -235,6 +236,7 @@ class Capabilities:
             pause_modes=self.pause_modes & engine.pause_modes,
             arbitrary_tensors=self.arbitrary_tensors and engine.arbitrary_tensors,
             interposable=self.interposable,  # a property of the data plane alone
+            http_control=self.http_control,  # a property of the control plane alone
         )
 
     def describe(self) -> JSON:
@@ -248,6 +250,7 @@ class Capabilities:
             "pause_modes": sorted(self.pause_modes),
             "arbitrary_tensors": self.arbitrary_tensors,
             "interposable": self.interposable,
+            "http_control": self.http_control,
         }
 
 

@@ -75,6 +75,7 @@ class CellObservation:
     recovery_error: BaseException | None = None
     recover_s: float = 0.0
     after_recovery: list = dataclasses.field(default_factory=list)
+    fault_problems: list[str] = dataclasses.field(default_factory=list)  # the fault's own oracle (Fault.check)
 
     def error_text(self) -> str | None:
         return None if self.error is None else _error_text(self.error).strip()[-1500:]
@@ -111,6 +112,10 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
     if obs.detect_s > 2 * obs.timeout_s:
         problems.append(f"the faulty push took {obs.detect_s:.1f}s, over 2x the {obs.timeout_s:g}s timeout")
     served = [s[0] for s in obs.after_fault if not isinstance(s, str)]
+    problems += obs.fault_problems
+    if obs.error is not None and getattr(obs.fault, "must_succeed", False):
+        problems.append(f"the push failed on a fault the client must ride out ({obs.fault.kind}: retried with the "
+                        f"same Idempotency-Key it succeeds): {_error_text(obs.error).strip()[:300]}")
     if obs.error is None:
         if any(v != obs.version for v in served):
             problems.append(f"the push of version {obs.version} reported success while engines serve versions {served}")

@@ -95,8 +95,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--weightsync-fault-seeds",
         type=int,
         default=int(os.environ.get("WEIGHTSYNC_FAULT_SEEDS", "0")),
-        help="seeds per fault cell (each draws its own fault point: receiver, call, delay, byte); default 1, "
-        "10 under the hypothesis profile 'thorough'",
+        help="seeds per fault cell (each draws its own fault point: receiver, call, delay, byte); default 1; "
+        "under the hypothesis profile 'thorough' also the seeds hypothesis draws per cell (default 10)",
     )
     group.addoption(
         "--weightsync-fault-seed",

@@ -116,26 +116,40 @@ class ControlClient:
         model: str | None = None,
         idempotency_keys: bool | None = None,  # None: use them when the server says it honours them
         transport: httpx.BaseTransport | None = None,
+        retry_timeouts: bool = True,  # False: a call that timed out is not repeated (a supervisor kills the server)
     ):
         self.base_url = base_url.rstrip("/")
         self.timeouts = timeouts
         self.retries = retries
+        self.retry_timeouts = retry_timeouts
+        self._transport = transport
         self.backoff_s = backoff_s
         self.model = model
         self._keys = idempotency_keys
         self._kind: str | None = None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(
+        self._http = self._new_http()
+        self.attempts: list[
+            tuple[str, str]
+        ] = []  # (path, outcome) of every attempt: what the retry tests read
+
+    def _new_http(self) -> httpx.Client:
+        timeouts = self.timeouts
+        return httpx.Client(
             base_url=self.base_url,
-            transport=transport,
+            transport=self._transport,
             # below uvicorn's 5 s keep-alive (vLLM's default too): a pooled connection the server
             # already closed would make a sent request look lost
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=2.0),
             timeout=httpx.Timeout(timeouts.control, connect=timeouts.connect, write=timeouts.write),
         )
-        self.attempts: list[
-            tuple[str, str]
-        ] = []  # (path, outcome) of every attempt: what the retry tests read
+
+    def reroute(self, base_url: str) -> None:
+        """Talk to the same server at another address from now on (a relay in between, or no longer):
+        pooled connections to the old address are closed."""
+        self._http.close()
+        self.base_url = base_url.rstrip("/")
+        self._http = self._new_http()
 
     # ------------------------------------------------------------------ plumbing
     def close(self) -> None:
@@ -197,13 +211,15 @@ class ControlClient:
                 resp = self._http.request(method, path, **kwargs)
             except _NOT_SENT as exc:
                 self.attempts.append((path, f"not sent: {type(exc).__name__}"))
-                if attempt > self.retries:
+                timed_out = isinstance(exc, httpx.TimeoutException) and not self.retry_timeouts
+                if attempt > self.retries or timed_out:
                     raise TransferError(
                         f"{method} {self.base_url}{path}: no connection after {attempt} attempts: {exc!r}"
                     ) from exc
             except httpx.TransportError as exc:
                 self.attempts.append((path, f"unknown: {type(exc).__name__}"))
-                if not (repeatable or dedupes) or attempt > self.retries:
+                timed_out = isinstance(exc, httpx.TimeoutException) and not self.retry_timeouts
+                if not (repeatable or dedupes) or attempt > self.retries or timed_out:
                     raise AmbiguousResultError(
                         f"{method} {self.base_url}{path}: no answer ({exc!r}) after {attempt} attempt(s); the server "
                         "may or may not have applied it, and repeating it is not known to be safe"

@@ -108,6 +108,7 @@ def strike(dep, fault: Fault, ctx: FaultContext, versions: dict, version: int, t
     ctx.join_timers()
     fault.heal(ctx)
     obs.after_fault = read_engines(dep)
+    obs.fault_problems = fault.check(ctx)
     return obs
 
 
@@ -139,6 +140,10 @@ def run_cell(
         return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s)
     fault = FAULTS[fault_kind]()
     result = CellResult(backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s)
+    reason = fault.applies_to(caps)
+    if reason:
+        result.verdict, result.reasons = "not_applicable", [reason]
+        return result
     try:
         dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
     except Exception as exc:  # noqa: BLE001 - a cell that cannot start is unknown, never ok

@@ -51,10 +51,16 @@ class Fault(abc.ABC):
     """One kind of fault. `applies` gives the reason it cannot run here (None: it can)."""
 
     kind: str
-    #: words the error of the failed push must contain, besides naming the victim where there is one
+    #: the error of the failed push must name the victim receiver's rank
     names_victim: bool = False
+    #: the push must succeed despite the fault (a client rides out a cut connection by retrying)
+    must_succeed: bool = False
 
     def applies(self, backend: str, caps: Capabilities, deployment: Deployment) -> str | None:
+        return None
+
+    def applies_to(self, caps: Capabilities) -> str | None:
+        """What the claimed capabilities alone rule out, before anything is deployed (None: may apply)."""
         return None
 
     def setup(self, ctx: FaultContext) -> None:
@@ -72,6 +78,10 @@ class Fault(abc.ABC):
 
     def teardown(self, ctx: FaultContext) -> None:
         """After the cell: remove what setup built (mounts)."""
+
+    def check(self, ctx: FaultContext) -> list[str]:
+        """After heal: what this fault's own oracle finds wrong (e.g. an operation applied twice)."""
+        return []
 
     def describe(self, ctx: FaultContext) -> str:
         return self.kind
@@ -219,6 +229,9 @@ class TrainerRaise(Fault):
 
 class _TapFault(Fault):
     """A fault on the data plane through the sender's interposer (`Sender.tap`)."""
+
+    def applies_to(self, caps):
+        return None if caps.interposable else "the backend does not claim 'interposable' (its sender does not call Sender.tap)"
 
     def applies(self, backend, caps, deployment):
         if not caps.interposable:
@@ -381,6 +394,82 @@ class StorageFull(Fault):
             _run(["umount", "-l", str(self.mount)])
 
 
+class _WireFault(Fault):
+    """A real TCP relay (harness.faults.relay) put between the trainer's HTTP client and one engine's
+    control server for one push; it strikes one lifecycle request. The client must ride it out: retry
+    with the same Idempotency-Key, the server replays or runs it once, the push succeeds."""
+
+    must_succeed = True
+    mode: str
+    routes = (b"/start_weight_update", b"/update_weights", b"/finish_weight_update")
+
+    def applies_to(self, caps):
+        return None if caps.http_control else "the backend does not claim 'http_control' (no HTTP lifecycle to cut)"
+
+    def applies(self, backend, caps, deployment):
+        from harness.control.client import ControlClient
+
+        if not all(isinstance(getattr(h.receiver, "client", None), ControlClient) for h in deployment.handles):
+            return "no HTTP control plane between trainer and engines (receivers are not ControlClient-driven)"
+        return None
+
+    def arm(self, ctx, tensors):
+        from urllib.parse import urlsplit
+
+        from harness.faults.relay import TcpRelay
+
+        ctx.victim = ctx.rng.randrange(len(ctx.deployment.handles))
+        self.route = ctx.rng.choice(self.routes)
+        fraction = round(ctx.rng.random(), 3)
+        self.client = ctx.deployment.handles[ctx.victim].receiver.client
+        self.replays_before = self.client.stats().get("idempotent_replays", 0)
+        self.direct = self.client.base_url
+        u = urlsplit(self.direct)
+        self.relay = TcpRelay((u.hostname, u.port)).start()
+        self.relay.arm(self.route, self.mode, fraction)
+        self.client.reroute(self.relay.url)
+        ctx.note(f"receiver {ctx.victim}: {self.direct} behind a relay, next POST {self.route.decode()}: {self.mode}")
+        return tensors
+
+    def disarm(self, ctx):
+        if getattr(self, "relay", None) is not None:
+            self.client.reroute(self.direct)
+            self.relay.close()
+
+    def heal(self, ctx):
+        if self.relay.fired is None:
+            raise RuntimeError(f"the relay never saw POST {self.route.decode()}: nothing was struck")
+        ctx.note(self.relay.fired)
+
+    def check(self, ctx):
+        try:
+            replays = self.client.stats().get("idempotent_replays", 0) - self.replays_before
+        except Exception as exc:  # noqa: BLE001 - the failed push is judged already
+            return [f"the victim's /stats cannot be read after the fault: {type(exc).__name__}: {exc}"]
+        expected = 1 if self.mode == "lose-answer" else 0  # a request never seen whole has nothing to replay
+        if replays != expected:
+            return [f"{self.mode} on POST {self.route.decode()}: the server replayed {replays} answer(s) from its "
+                    f"idempotency cache, expected {expected} (the retry {'ran it again' if replays < expected else 'was not needed'})"]
+        return []
+
+    def describe(self, ctx):
+        return f"{self.kind} receiver {ctx.victim} on POST {getattr(self, 'route', b'?').decode()}"
+
+
+class HttpRequestCut(_WireFault):
+    """The connection is cut (RST) part-way through a lifecycle request: the server never sees it whole."""
+
+    kind = "http-request-cut"
+    mode = "cut-request"
+
+
+class HttpAnswerLost(_WireFault):
+    """A lifecycle request runs on the server and its answer is lost (RST): the client cannot know it ran."""
+
+    kind = "http-answer-lost"
+    mode = "lose-answer"
+
+
 def _run(argv: list[str]) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode:
@@ -390,5 +479,5 @@ def _run(argv: list[str]) -> None:
 #: Every fault kind the matrix runs, by name.
 FAULTS: dict[str, type[Fault]] = {
     f.kind: f for f in (ReceiverKill, ReceiverStall, TrainerRaise, PayloadCorrupt, PayloadCut, BlockedRead,
-                        CommitFail, StorageFull)
+                        CommitFail, StorageFull, HttpRequestCut, HttpAnswerLost)
 }

@@ -3,6 +3,8 @@ matrix cell (harness.checks.judge_cell); trainer RSS, fds and threads before and
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import random
 import sys
@@ -31,6 +33,13 @@ WARMUP_SYNCS = 10
 
 
 def _rss_mib() -> float:
+    """Resident memory after a collection and malloc_trim: memory the allocator keeps for reuse after
+    a burst (a fault's error path) is not a leak; what is still held after that is."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -39,7 +48,18 @@ def _rss_mib() -> float:
 
 
 def _fds() -> int:
+    gc.collect()  # a replaced rank's pipes close when its objects are collected: count what is still held
     return len(os.listdir("/proc/self/fd"))
+
+
+def _fd_targets() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
 
 
 def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 1000, fault_every: int = 20,
@@ -55,6 +75,9 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
     t_start = time.monotonic()
     baseline: dict[str, float] = {}
     steady: dict[str, float] = {}
+    steady_fds: dict[str, str] = {}
+    samples: list[dict] = []  # every 100 syncs: a leak is a slope, not one difference
+    next_sample = 100
     try:
         model = dep.handles[0].engine.weight_spec()
         committed = None  # weights of the newest version every engine holds
@@ -82,6 +105,7 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
                     committed = versions[v + 1] if obs.recovery_error is None else committed
                     if n_faults == len(SOAK_FAULTS):  # every fault path has run once: allocators are warm
                         steady = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
+                        steady_fds = _fd_targets()
                     v += 2
                     continue
             try:
@@ -89,7 +113,10 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
                 committed = tensors
             except Exception as exc:  # noqa: BLE001 - a clean push that fails is a soak failure
                 clean_failures.append(f"sync {v}: {type(exc).__name__}: {str(exc)[:300]}")
-            if v % 100 == 0:
+            if v >= next_sample:
+                next_sample += 100
+                samples.append({"sync": v, "rss_mib": round(_rss_mib(), 1), "fds": _fds(),
+                                "threads": threading.active_count()})
                 bad = sum(c["verdict"] != "ok" for c in cells)
                 print(f"soak {backend_name}: {v}/{syncs} syncs, {len(cells)} faults ({bad} not ok), "
                       f"{time.monotonic() - t_start:.0f}s", file=sys.stderr, flush=True)
@@ -97,6 +124,7 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
         final = read_engines(dep)
         wrong = [i for i, s in enumerate(final) if isinstance(s, str) or s[0] != syncs]
         end = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
+        end_fds = _fd_targets()
     finally:
         dep.close()
     leaks = leaked(seen.values(), workdir)
@@ -113,7 +141,8 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
         "rss_growth_mib": round(growth["rss"], 1), "fds_growth": growth["fds"], "threads_growth": growth["threads"],
         "steady_rss_growth_mib": round(steady_growth["rss"], 1), "steady_fds_growth": steady_growth["fds"],
         "steady_threads_growth": steady_growth["threads"],
-        "restarts": getattr(dep, "restarts", None), "leaks": leaks,
+        "restarts": getattr(dep, "restarts", None), "leaks": leaks, "samples": samples,
+        "fds_opened_since_steady": sorted(t for fd, t in end_fds.items() if steady_fds.get(fd) != t),
         "summary": f"{syncs} syncs, {len(cells)} faults, {ok} ok, {len(cells) - ok} not ok; RSS +{growth['rss']:.0f} MiB "
                    f"(+{steady_growth['rss']:.0f} after the first round of faults), fds {growth['fds']:+d}, "
                    f"threads {growth['threads']:+d}, restarts {getattr(dep, 'restarts', '?')}",

@@ -83,8 +83,10 @@ class ControlDeployment(RankDeployment):
     def __init__(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None, timeout_s: float):
         self._token = secrets.token_urlsafe(24)
         self._root = Path(workdir) / "checkpoints"
-        # one attempt per call, half the timeout: a finish whose answer is lost also asks /weight_info,
-        # and the failed push then aborts everywhere; all of it must fit in 2x the timeout
+        # half the timeout per call, and a call that timed out is not repeated (the server is frozen or
+        # blocked: the supervisor kills it): a finish whose answer timed out also asks /weight_info, and
+        # the failed push then aborts everywhere; all of it must fit in 2x the timeout. A connection cut
+        # or an answer lost is repeated once, with the same Idempotency-Key: the server replays it.
         self._timeouts = Timeouts(connect=timeout_s / 2, control=timeout_s / 2, update=timeout_s / 2,
                                   write=timeout_s / 2, pause=timeout_s, stream_idle=timeout_s)
         self._clients: list[ControlClient] = []
@@ -93,7 +95,7 @@ class ControlDeployment(RankDeployment):
 
     def _handle_for(self, rank: RankProcess) -> EngineHandle:
         url = rank.call("serve_control", token=self._token, allowed_dirs=[str(self._root)])
-        client = ControlClient(url, token=self._token, timeouts=self._timeouts, retries=0)
+        client = ControlClient(url, token=self._token, timeouts=self._timeouts, retries=1, retry_timeouts=False)
         self._clients.append(client)
         return EngineHandle(SupervisedHttpReceiver(client, rank), HttpEngine(client, oracle=lambda: rank.call("read_weights")))
 
@@ -116,7 +118,7 @@ class ControlBackend(Backend):
     """Built-in backend `control`: the HTTP control plane (vLLM's RL routes) over the disk data plane."""
 
     name = "control"
-    capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True)
+    capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True, http_control=True)
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = timeout_s

@@ -7,14 +7,22 @@ hand), nothing leaked. The verdict lands in the results JSON ("fault_cell") for 
 
     pytest suites/faults --weightsync-backend=ipc --weightsync-fault-seeds=20
     pytest suites/faults -k "receiver-kill and disk" --weightsync-fault-seed=1234    # rerun one cell
+    pytest suites/faults --hypothesis-profile=thorough     # + seeds drawn by hypothesis, 10 per cell
+
+Under the thorough profile hypothesis draws the seeds (`test_fault_cell_drawn`): a failing one is printed
+("Falsifying example: ... seed=N", rerun it with --weightsync-fault-seed=N) and kept in hypothesis'
+example database, so the next run tries it first. Seeds are not shrunk: a smaller seed is not a simpler fault.
 """
 
 from __future__ import annotations
 
+import tempfile
 import zlib
+from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from harness.faults.cell import run_cell
 from harness.faults.injectors import FAULTS
@@ -26,27 +34,63 @@ from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 pytestmark = pytest.mark.multiproc
 
 
-def pytest_generate_tests(metafunc):
-    if "fault_cell" not in metafunc.fixturenames:
-        return
-    config = metafunc.config
+THOROUGH_DRAWS = 10
+
+
+def _thorough() -> bool:
+    return settings._current_profile == "thorough"
+
+
+def _backends(config) -> list[str]:
     option = config.getoption("--weightsync-backend")
     backends = [n.strip() for n in option.split(",") if n.strip()]
     if option == ",".join(BUILTIN_BACKENDS):  # the default selection: the control plane gets its column too
         backends += list(EXTRA_BACKENDS)
-    fixed = config.getoption("--weightsync-fault-seed")
-    n_seeds = config.getoption("--weightsync-fault-seeds") or (10 if settings._current_profile == "thorough" else 1)
-    cells = []
-    for backend in backends:
-        for kind in [*FAULTS, TRAINER_KILL]:
-            base = zlib.crc32(f"{backend}/{kind}".encode()) % 100_000
-            seeds = [fixed] if fixed is not None else [base + i for i in range(n_seeds)]
-            cells += [(backend, kind, seed) for seed in seeds]
-    metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-s{s}" for b, k, s in cells])
+    return backends
+
+
+def pytest_generate_tests(metafunc):
+    config = metafunc.config
+    if "fault_cell" in metafunc.fixturenames:
+        fixed = config.getoption("--weightsync-fault-seed")
+        n_seeds = config.getoption("--weightsync-fault-seeds") or 1
+        cells = []
+        for backend in _backends(config):
+            for kind in [*FAULTS, TRAINER_KILL]:
+                base = zlib.crc32(f"{backend}/{kind}".encode()) % 100_000
+                seeds = [fixed] if fixed is not None else [base + i for i in range(n_seeds)]
+                cells += [(backend, kind, seed) for seed in seeds]
+        metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-s{s}" for b, k, s in cells])
+    if "drawn_cell" in metafunc.fixturenames:
+        cells = [(b, k) for b in _backends(config) for k in [*FAULTS, TRAINER_KILL]]
+        metafunc.parametrize("drawn_cell", cells, ids=[f"{b}-{k}" for b, k in cells])
 
 
 def test_fault_cell(fault_cell, selection, tmp_path, request):
     backend_name, kind, seed = fault_cell
+    _run_and_judge(backend_name, kind, seed, selection, tmp_path, request)
+
+
+def test_fault_cell_drawn(drawn_cell, selection, tmp_path, request):
+    """The thorough profile's cells: hypothesis draws the seed (and so the fault point)."""
+    if not _thorough():
+        pytest.skip("seeds drawn by hypothesis run under --hypothesis-profile=thorough")
+    backend_name, kind = drawn_cell
+
+    @settings(max_examples=config_draws(request.config), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(seed=st.integers(0, 2**31 - 1))
+    def cell(seed):
+        _run_and_judge(backend_name, kind, seed, selection, Path(tempfile.mkdtemp(dir=tmp_path)), request)
+
+    cell()
+
+
+def config_draws(config) -> int:
+    return config.getoption("--weightsync-fault-seeds") or THOROUGH_DRAWS
+
+
+def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request):
     backend = selection.backends.get(backend_name) or resolve_backend(backend_name)
     timeout_s = request.config.getoption("--weightsync-fault-timeout")
     if kind == TRAINER_KILL:  # the trainer itself dies: it runs in a child process
@@ -54,10 +98,12 @@ def test_fault_cell(fault_cell, selection, tmp_path, request):
     else:
         result = run_cell(backend, backend_name, kind, seed, tmp_path, engine=selection.engine, timeout_s=timeout_s,
                           caps=backend.capabilities.restricted_by(selection.engine_caps))
-    request.config._weightsync_outcomes.setdefault(request.node.nodeid, {})["fault_cell"] = result.to_json()
+    outcome = request.config._weightsync_outcomes.setdefault(request.node.nodeid, {})
+    if outcome.get("fault_cell", {}).get("verdict", "ok") == "ok":  # of several draws the report keeps the worst
+        outcome["fault_cell"] = result.to_json()
     rerun = (f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}' "
              f"--weightsync-backend={backend_name} --weightsync-fault-seed={seed}")
-    if result.verdict == "not_applicable":
+    if result.verdict == "not_applicable":  # the same for every seed: hypothesis stops here too
         pytest.skip(f"{NOT_SUPPORTED}: {kind} on {backend_name}: {result.reasons[0]}")
     if result.verdict == "unknown":
         pytest.skip(f"{UNKNOWN}: {kind} on {backend_name}: {'; '.join(result.reasons)}")

@@ -8,6 +8,7 @@ import os
 import torch
 
 from harness.engines.reference import ReferenceEngine
+from harness.paths.control import ControlBackend, ControlDeployment
 from harness.paths.disk import DiskBackend, DiskSender
 
 
@@ -132,3 +133,23 @@ def make_no_restart_backend():
 
 def make_ignored_timeout_backend():
     return IgnoredTimeoutBackend()
+
+
+class _NoRetryControlDeployment(ControlDeployment):
+    def _handle_for(self, rank):
+        handle = super()._handle_for(rank)
+        handle.receiver.client.retries = 0  # the defect under test: a cut connection fails the push
+        return handle
+
+
+class NoRetryControlBackend(ControlBackend):
+    """An HTTP control plane whose client never repeats a request, not even one the server de-duplicates."""
+
+    name = "broken-no-retry-control"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None):
+        return _NoRetryControlDeployment(n_receivers, spec, workdir, engine, self.timeout_s)
+
+
+def make_no_retry_control_backend():
+    return NoRetryControlBackend()

@@ -29,3 +29,16 @@ def test_fault_suite_fails_a_timeout_that_is_not_honoured(pytester):
     result = _run(pytester, "make_ignored_timeout_backend", "receiver-stall", "--weightsync-fault-seeds=2")
     assert result.parseoutcomes().get("failed", 0) >= 1, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*over 2x the 4s timeout*"])
+
+
+def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(pytester):
+    result = _run(pytester, "make_no_retry_control_backend", "http-request-cut")
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*a fault the client must ride out*"])
+
+
+def test_thorough_profile_draws_seeds_and_prints_the_failing_one(pytester):
+    result = _run(pytester, "make_no_retry_control_backend", "drawn and http-answer-lost",
+                  "--hypothesis-profile=thorough", "--weightsync-fault-seeds=2")
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*Falsifying example*", "*seed=*"])
