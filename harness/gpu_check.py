@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from harness.manifest import Manifest, digest
+from harness.manifest import Manifest
 from harness.paths import delta_codec as codec
 
 SIZES = [64 << 20, 256 << 20, 1 << 30]
+BCAST_SIZES = [*SIZES, 4 << 30, 14 << 30]  # up to a 14 GiB model (7B parameters in bf16)
 REPEATS = 10
 
 
@@ -61,6 +62,93 @@ def copy_ceiling() -> list[dict]:
     return rows
 
 
+def _model_like(nbytes: int, device: str, seed: int, n: int) -> dict[str, torch.Tensor]:
+    """`n` bf16 tensors of random values summing to `nbytes`: a model's worth of weights."""
+    return _payload(nbytes, device, seed=seed, n=n)
+
+
+def _event_time(fn, repeats=REPEATS, warmup=3) -> float:
+    """Median GPU time of `fn` between CUDA events (no host synchronisation inside the region)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def digests_on_device() -> dict:
+    """ws64x2 on the GPU: the kernel against the torch-ops reference (same bits, on GPU and CPU), its
+    throughput against the device copy ceiling, and a manifest built and verified with it against xxh3."""
+    from harness import device_digest as dd
+    from harness.manifest import as_bytes, digests
+
+    out: dict = {"kernel": dd.kernel_status()}
+    gen = torch.Generator().manual_seed(11)
+    mismatches = []
+    for n in (1, 2, 3, 4, 5, 1023, 4097, (1 << 20) + 3, (64 << 20) + 1):
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        on_gpu, on_cpu = dd.device_digests([raw.cuda()])[0], dd.reference_digest(raw)
+        ref_gpu = dd.reference_digest(raw.cuda())  # the reference's torch ops on the GPU
+        if not on_gpu == on_cpu == ref_gpu:
+            mismatches.append({"bytes": n, "kernel": on_gpu, "reference_cpu": on_cpu, "reference_gpu": ref_gpu})
+    out["kernel_vs_reference_mismatches"] = mismatches
+    rows = []
+    for size in (256 << 20, 1 << 30, 4 << 30):
+        one = torch.randint(-(1 << 31), 1 << 31, (size // 4,), dtype=torch.int32, device="cuda")
+        copy_dst = torch.empty_like(one)
+        t_copy = _event_time(lambda: copy_dst.copy_(one))
+        acc = torch.zeros(2, dtype=torch.int64, device="cuda")
+        t_one = _event_time(lambda: dd.launch(one, acc))
+        variants = {}
+        if dd.kernel_status().startswith("triton"):
+            for wide in (False, True):  # both kernel variants, whichever was chosen
+                variants["64-bit" if wide else "32-bit"] = size / _event_time(lambda: dd.launch(one, acc, wide=wide)) / 1e9
+        del copy_dst
+        model = _model_like(size, "cuda", seed=size % 991, n=max(8, size >> 24))  # ~16 MiB tensors
+        t_model = _timed(lambda: digests(list(model.values())))  # host wall time: launches + one transfer
+        words = [dd._words(as_bytes(t)) for t in model.values()]
+        per = torch.zeros((len(words), 2), dtype=torch.int64, device="cuda")
+
+        def per_tensor():  # one launch per tensor: what the many-tensor kernel saves
+            for k, w in enumerate(words):
+                dd.launch(w, per[k])
+            per.cpu()
+
+        t_per_tensor = _timed(per_tensor)
+        rows.append({"size": size, "copy_gbs_read_plus_write": 2 * size / t_copy / 1e9,
+                     "digest_one_tensor_ms": t_one * 1e3, "digest_one_tensor_gbs": size / t_one / 1e9,
+                     "digest_ratio_to_copy_read_bw": (size / t_one) / (2 * size / t_copy),
+                     "variants_gbs": variants,
+                     "tensors": len(model), "digest_model_ms": t_model * 1e3,
+                     "digest_model_per_tensor_launches_ms": t_per_tensor * 1e3,
+                     "digest_model_gbs": size / t_model / 1e9})
+        del one, model, words
+    out["throughput"] = rows
+    manifests = []
+    for size, algos in ((256 << 20, ("auto", "xxh3")), (1 << 30, ("auto", "xxh3")), (4 << 30, ("auto",))):
+        model = _model_like(size, "cuda", seed=7, n=max(8, size >> 24))
+        for algo in algos:
+            t_build = _timed(lambda: Manifest.build(1, model, 64 << 20, digest_algorithm=algo), repeats=3, warmup=1)
+            manifest = Manifest.build(1, model, 64 << 20, digest_algorithm=algo)
+            t_verify = _timed(lambda: manifest.verify_all(model), repeats=3, warmup=1)
+            flipped = dict(model)
+            victim = next(iter(model))
+            flipped[victim] = model[victim].clone()
+            as_bytes(flipped[victim])[12345] ^= 4
+            caught = manifest.wrong(flipped) == [victim]
+            manifests.append({"size": size, "algorithm": algo, "tensors": len(model), "build_ms": t_build * 1e3,
+                              "verify_ms": t_verify * 1e3, "flipped_bit_caught": caught})
+        del model
+    out["manifest"] = manifests
+    return out
+
+
 def _bcast_worker(rank: int, port: int, queue) -> None:
     from harness.paths.broadcast import broadcast_buckets, make_group
 
@@ -69,12 +157,13 @@ def _bcast_worker(rank: int, port: int, queue) -> None:
                        store=torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
                                                         timeout=datetime.timedelta(seconds=120)))
     out = []
-    for size in SIZES:
+    for size in BCAST_SIZES:
         # bare NCCL broadcast of one buffer: the ceiling
         buf = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda")
         bare = _timed(lambda: group.broadcast(buf, 0).wait())
+        del buf
         # the path: pack (rank 0), broadcast the bucket, unpack typed copies (rank 1), bucket = 64 MiB
-        weights = _payload(size, "cuda", seed=size % 997)
+        weights = _payload(size, "cuda", seed=size % 997, n=max(8, size >> 26))  # ~64 MiB tensors, like a model
         manifest = Manifest.build(1, weights, 64 << 20)
         received: dict = {}
 
@@ -86,12 +175,34 @@ def _bcast_worker(rank: int, port: int, queue) -> None:
                               (lambda b, bb: received.update(manifest.unpack_bucket(b, bb))) if rank == 1 else None)
 
         t_path = _timed(path_once)
-        wrong = sum(digest(received[e.name]) != e.digest for e in manifest.entries) if rank == 1 else 0
-        out.append({"size": manifest.total_bytes, "bare_nccl_s": bare, "path_s": t_path, "wrong": wrong})
+        wrong = len(manifest.wrong(received)) if rank == 1 else 0
+        # end to end as a trainer pays it: the manifest's digests (rank 0), the path, the receiver's
+        # verification (rank 1), and its answer back (an all-reduce of #wrong: rank 0's clock stops there)
+        flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+        def e2e_once():
+            m = Manifest.build(1, weights, 64 << 20) if rank == 0 else manifest
+            received.clear()
+            path_once()
+            flag.fill_(len(m.wrong(received)) if rank == 1 else 0)
+            group.allreduce([flag]).wait()
+
+        t_e2e = _timed(e2e_once)
+        e2e_wrong = int(flag.item())
+        t_build = _timed(lambda: Manifest.build(1, weights, 64 << 20)) if rank == 0 else None
+        t_verify = _timed(lambda: manifest.verify_all(received)) if rank == 1 else None
+        out.append({"size": manifest.total_bytes, "tensors": len(weights), "bare_nccl_s": bare, "path_s": t_path,
+                    "e2e_s": t_e2e, "digest_build_s": t_build, "verify_s": t_verify, "wrong": wrong,
+                    "e2e_wrong": e2e_wrong, "digest": manifest.entries[0].digest.split(":")[0] if ":" in
+                    manifest.entries[0].digest else "xxh3"})
+        del weights, received, manifest
+        torch.cuda.empty_cache()
     queue.put((rank, out))
 
 
 def nccl_broadcast() -> list[dict]:
+    if torch.cuda.device_count() < 2:
+        return [{"skipped": f"needs 2 GPUs (one rank each), this machine has {torch.cuda.device_count()}"}]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29000 + os.getpid() % 1000
@@ -104,9 +215,13 @@ def nccl_broadcast() -> list[dict]:
     rows = []
     for r0, r1 in zip(results[0], results[1]):
         size = r0["size"]
-        rows.append({"size": size, "path_s": r0["path_s"], "path_gbs": size / r0["path_s"] / 1e9,
-                     "bare_nccl_gbs": size / r0["bare_nccl_s"] / 1e9,
-                     "ratio": r0["bare_nccl_s"] / r0["path_s"], "wrong": r1["wrong"]})
+        rows.append({"size": size, "tensors": r0["tensors"], "digest": r0["digest"],
+                     "path_s": r0["path_s"], "path_gbs": size / r0["path_s"] / 1e9,
+                     "bare_nccl_gbs": size / r0["bare_nccl_s"] / 1e9, "ratio": r0["bare_nccl_s"] / r0["path_s"],
+                     "e2e_s": r0["e2e_s"], "e2e_gbs": size / r0["e2e_s"] / 1e9,
+                     "e2e_ratio": r0["bare_nccl_s"] / r0["e2e_s"],
+                     "digest_build_s": r0["digest_build_s"], "verify_s": r1["verify_s"],
+                     "wrong": r1["wrong"], "e2e_wrong": r1["e2e_wrong"]})
     return rows
 
 
@@ -122,8 +237,9 @@ def _ipc_worker(handle_info: dict, device: str, queue) -> None:
 
         t = _timed(once, repeats=5)
         got = once()
-        wrong = sum(digest(got[e.name]) != e.digest for e in manifest.entries)
-        queue.put({"device": device, "time_s": t, "wrong": wrong})
+        wrong = len(manifest.wrong(got))
+        t_verified = _timed(lambda: manifest.verify_all(once()), repeats=5)  # + the receiver's verification
+        queue.put({"device": device, "time_s": t, "verified_time_s": t_verified, "wrong": wrong})
     except Exception as exc:  # noqa: BLE001 - reported in the results
         queue.put({"device": device, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -137,7 +253,7 @@ def cuda_ipc() -> list[dict]:
         sender = IpcSender("cuda:0", bucket_bytes=1 << 40)
         weights = _payload(size, "cuda:0", seed=3)
         info = sender.prepare(1, weights)
-        for device in ("cuda:0", "cuda:1"):  # same GPU, peer GPU
+        for device in ("cuda:0", "cuda:1")[: torch.cuda.device_count()]:  # same GPU, peer GPU
             queue = ctx.Queue()
             p = ctx.Process(target=_ipc_worker, args=(info, device, queue))
             p.start()
@@ -146,6 +262,7 @@ def cuda_ipc() -> list[dict]:
             res["size"] = Manifest.from_json(info["manifest"]).total_bytes
             if "time_s" in res:
                 res["gbs"] = res["size"] / res["time_s"] / 1e9
+                res["verified_gbs"] = res["size"] / res["verified_time_s"] / 1e9
             rows.append(res)
         sender.complete(True)
         # after release, the handle must be refused or at least never deliver bytes that pass the token
@@ -191,12 +308,15 @@ GPU_BACKENDS = ("harness.paths.broadcast:make_nccl_backend", "harness.paths.ipc:
 def conformance(out: Path, timeout_s: float) -> list[dict]:
     """The conformance suite over each GPU backend, the three runs side by side."""
     runs = []
+    one_gpu = torch.cuda.device_count() < 2  # NCCL refuses two ranks on one GPU: only IPC runs there
     for name in GPU_BACKENDS:
+        if one_gpu and "ipc" not in name:
+            continue
         slug = name.split(":")[0].rsplit(".", 1)[-1] + "-" + name.split(":")[1]
         results = out / f"conformance-{slug}.json"
         cmd = [sys.executable, "-m", "pytest", "suites/conformance", "-q", "-p", "harness.pytest_plugin",
                "-p", "no:cacheprovider", f"--weightsync-backend={name}", "--weightsync-receivers=1",
-               f"--weightsync-results={results}", "--timeout=300", "--durations=5",
+               f"--weightsync-results={results}", "--timeout=300", "--durations=5", f"--basetemp={out / ('tmp-' + slug)}",
                "--deselect", "suites/conformance/test_torchrun.py", "--deselect", "suites/conformance/test_supervision.py"]
         log = open(out / f"pytest-{slug}.log", "w")  # noqa: SIM115 - closed below
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT on timeout dumps every thread's stack
@@ -244,8 +364,8 @@ def main() -> int:
     except (OSError, subprocess.SubprocessError):
         env["topology"] = "n/a"
     results: dict = {"environment": env}
-    for name, fn in (("copy_ceiling", copy_ceiling), ("nccl_broadcast", nccl_broadcast), ("cuda_ipc", cuda_ipc),
-                     ("delta_gpu", delta_on_gpu)):
+    for name, fn in (("copy_ceiling", copy_ceiling), ("digests", digests_on_device), ("nccl_broadcast", nccl_broadcast),
+                     ("cuda_ipc", cuda_ipc), ("delta_gpu", delta_on_gpu)):
         if args.only is not None and name not in args.only:
             continue
         t0 = time.time()

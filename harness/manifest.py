@@ -7,6 +7,7 @@ and -0.0 survive: no arithmetic ever touches a value on its way through a path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import xxhash
 
+from harness import device_digest
 from harness.api import ManifestMismatch, TensorSpec
 
 # safetensors' dtype names: the manifest speaks the checkpoint format's language.
@@ -65,11 +67,50 @@ def from_bytes(raw: torch.Tensor, shape: Iterable[int], dtype: torch.dtype) -> t
 
 
 def digest(tensor: torch.Tensor) -> str:
-    """xxh3-128 of the tensor's raw bytes (CPU copy for device tensors)."""
+    """The digest a manifest records for this tensor: xxh3-128 of its bytes on the host, ws64x2
+    (harness.device_digest) computed on the GPU where it lives there."""
+    return digests([tensor])[0]
+
+
+def xxh3_digest(tensor: torch.Tensor) -> str:
+    """xxh3-128 of the tensor's raw bytes (a host copy first for a device tensor)."""
     raw = as_bytes(tensor)
     if raw.device.type != "cpu":
         raw = raw.cpu()
     return xxhash.xxh3_128_hexdigest(memoryview(raw.numpy()))
+
+
+def digests(tensors: list[torch.Tensor], algorithm: str = "auto") -> list[str]:
+    """Digests of many tensors. 'auto': ws64x2 on the device for GPU tensors (every launch queued before
+    one transfer of the results), xxh3 for host tensors; 'xxh3' or 'ws64x2' force one algorithm."""
+    if algorithm not in DIGEST_ALGORITHMS:
+        raise ValueError(f"digest algorithm {algorithm!r}: one of {DIGEST_ALGORITHMS}")
+    out: list[str | None] = [None] * len(tensors)
+    on_device: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tensors):
+        use_device = algorithm == "ws64x2" or (algorithm == "auto" and t.device.type == "cuda")
+        if use_device:
+            on_device.setdefault(t.device, []).append(k)
+        else:
+            out[k] = xxh3_digest(t)
+    for ks in on_device.values():
+        for k, d in zip(ks, device_digest.device_digests([as_bytes(tensors[k]) for k in ks]), strict=True):
+            out[k] = d
+    return out  # type: ignore[return-value]
+
+
+def digests_like(tensors: list[torch.Tensor], recorded: list[str]) -> list[str]:
+    """Each tensor's digest with the algorithm of the digest it is checked against."""
+    algos = ["ws64x2" if device_digest.is_device_digest(r) else "xxh3" for r in recorded]
+    out: list[str | None] = [None] * len(tensors)
+    for algo in set(algos):
+        ks = [k for k, a in enumerate(algos) if a == algo]
+        for k, d in zip(ks, digests([tensors[k] for k in ks], algo), strict=True):
+            out[k] = d
+    return out  # type: ignore[return-value]
+
+
+DIGEST_ALGORITHMS = ("auto", "xxh3", "ws64x2")
 
 
 def _align(n: int) -> int:
@@ -110,17 +151,21 @@ class Manifest:
         version: int,
         named_tensors: Mapping[str, torch.Tensor],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        digest_algorithm: str = "auto",
     ) -> Manifest:
-        """Digest every tensor and pack them, in the given order, into buckets of at most
-        `bucket_bytes` (a tensor larger than that gets a bucket of its own)."""
+        """Digest every tensor (`digests`: on the GPU for GPU tensors) and pack them, in the given order,
+        into buckets of at most `bucket_bytes` (a tensor larger than that gets a bucket of its own)."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         entries: list[TensorEntry] = []
         sizes: list[int] = []
         used = None  # bytes used in the open bucket; None: no bucket open
-        for name, tensor in named_tensors.items():
+        items = list(named_tensors.items())
+        for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
                 raise ManifestMismatch(f"version {version}: {name!r} is a {type(tensor).__name__}, not a tensor")
+        sums = digests([t for _, t in items], digest_algorithm)
+        for (name, tensor), tensor_digest in zip(items, sums, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             if used is None or (used > 0 and _align(used) + nbytes > bucket_bytes):
                 sizes.append(0)
@@ -134,7 +179,7 @@ class Manifest:
                     shape=tuple(tensor.shape),
                     dtype=dtype_name(tensor.dtype),
                     nbytes=nbytes,
-                    digest=digest(tensor),
+                    digest=tensor_digest,
                     bucket=len(sizes) - 1,
                     offset=offset,
                 )
@@ -150,10 +195,14 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
+    @functools.cached_property
+    def _by_name(self) -> dict[str, TensorEntry]:
+        return {e.name: e for e in self.entries}
+
     def entry(self, name: str) -> TensorEntry:
-        for e in self.entries:
-            if e.name == name:
-                return e
+        e = self._by_name.get(name)
+        if e is not None:
+            return e
         raise ManifestMismatch(f"version {self.version}: tensor {name!r} is not in the manifest")
 
     def bucket_entries(self, bucket: int) -> list[TensorEntry]:
@@ -168,12 +217,33 @@ class Manifest:
                 f"version {self.version}: tensor {name!r} arrived as {tuple(tensor.shape)} "
                 f"{dtype_name(tensor.dtype)}, manifest says {e.shape} {e.dtype}"
             )
-        got = digest(tensor)
-        if got != e.digest:
-            raise ManifestMismatch(
-                f"version {self.version}: tensor {name!r} digest {got} != manifest {e.digest} "
-                f"({e.nbytes} bytes): the payload was corrupted or truncated"
-            )
+        self._check_digests([(e, tensor)])
+
+    def verify_all(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """`verify` for every tensor given, with the device digests of a GPU batched (one transfer)."""
+        pairs = []
+        for name, tensor in named_tensors.items():
+            e = self.entry(name)
+            if tuple(tensor.shape) != e.shape or dtype_name(tensor.dtype) != e.dtype:
+                self.verify(name, tensor)  # raises, naming what differs
+            pairs.append((e, tensor))
+        self._check_digests(pairs)
+
+    def wrong(self, named_tensors: Mapping[str, torch.Tensor]) -> list[str]:
+        """Names of the entries whose tensor is missing or differs from its digest (#wrong of a table)."""
+        present = [e for e in self.entries if e.name in named_tensors]
+        got = digests_like([named_tensors[e.name] for e in present], [e.digest for e in present])
+        bad = {e.name for e, d in zip(present, got, strict=True) if d != e.digest}
+        return [e.name for e in self.entries if e.name not in named_tensors or e.name in bad]
+
+    def _check_digests(self, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
+        got = digests_like([t for _, t in pairs], [e.digest for e, _ in pairs])
+        for (e, _), d in zip(pairs, got, strict=True):
+            if d != e.digest:
+                raise ManifestMismatch(
+                    f"version {self.version}: tensor {e.name!r} digest {d} != manifest {e.digest} "
+                    f"({e.nbytes} bytes): the payload was corrupted or truncated"
+                )
 
     # ------------------------------------------------------------------ buckets
     def pack_bucket(

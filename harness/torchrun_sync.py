@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from harness.manifest import Manifest, digest
+from harness.manifest import Manifest
 from harness.paths.broadcast import BroadcastReceiver, BroadcastSender, broadcast_one
 from harness.registry import make_engine
 from harness.trainer import ReferenceTrainer
@@ -39,7 +39,7 @@ def _broadcast_json(group, obj, device) -> dict:
 
 def _wrong_tensors(engine, manifest: Manifest) -> int:
     live = engine.read_weights()
-    return sum(digest(live[e.name]) != e.digest for e in manifest.entries)
+    return len(manifest.wrong(live))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,7 @@ class StagingReceiver(Receiver, abc.ABC):
                 for name in manifest.names:
                     if name not in received:
                         raise ManifestMismatch(f"version {manifest.version}: tensor {name!r} did not arrive")
-                    manifest.verify(name, received[name])
+                manifest.verify_all({name: received[name] for name in manifest.names})
             except WeightSyncError as exc:
                 self._lc.fail(exc)
                 self._staged = {}

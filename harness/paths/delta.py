@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, BaseMismatch, Capabilities, ManifestMismatch, Sender, WeightSpec
-from harness.manifest import Manifest, as_bytes, digest, from_bytes
+from harness.manifest import Manifest, as_bytes, digest, digests_like, from_bytes
 from harness.paths import delta_codec as codec
 from harness.paths.base import StagingReceiver, manifest_of
 from harness.paths.broadcast import BroadcastReceiver, BroadcastSender
@@ -168,7 +168,7 @@ class DeltaReceiver(StagingReceiver):
                 out[name] = from_bytes(payload[f"{name}#dense"], spec.shape, spec.torch_dtype).clone()
                 continue
             base = current[name]
-            if digest(base) != e.get("base_digest"):
+            if digests_like([base], [str(e.get("base_digest"))])[0] != e.get("base_digest"):
                 raise BaseMismatch(
                     f"version {manifest.version}: tensor {name!r} on the engine (version {self.engine.weight_version}) "
                     "is not the patch's base (digest differs); refused"

@@ -1,0 +1,290 @@
+"""A checksum computed where the tensor lives: on the GPU, one memory-bound pass (a Triton kernel), so
+verifying a version costs a fraction of moving it; xxh3 stays for tensors on the host.
+
+The algorithm, `ws64x2`, on the tensor's bytes zero-padded to whole 32-bit words w_i (i = 0..n-1, n < 2^32):
+
+    x_i = mix(w_i XOR (i * K1), K2, 16)        y_i = mix(w_i XOR (i * K3), K4, 13)
+    mix(v, k, s) = ((v * k) mod 2^32) XOR (((v * k) mod 2^32) >> s)
+    digest = ((sum x_i + nbytes * K2) mod 2^64, sum y_i mod 2^64)  as "ws64x2:" + 32 hex digits
+
+Each mix is a bijection of w_i for a fixed i, and each term is below 2^32, so a change confined to one word
+(any single flipped bit, any change inside one 4-byte word) always changes both sums: detection is certain,
+not probable. The index enters every term, so moving or swapping words changes the sums too, except by a
+coincidence of two independent 64-bit sums. Sums commute, so the GPU may add in any order and any grouping
+and get the same bits as `reference_digest` below, which does the same arithmetic with torch ops (on any
+device; the property tests run it on the CPU, the GPU run checks the kernel against it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+PREFIX = "ws64x2:"
+K1, K2, K3, K4 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F  # odd: multiplication mod 2^32 is a bijection
+_M32 = 0xFFFFFFFF
+_M64 = (1 << 64) - 1
+_CHUNK_WORDS = 1 << 24  # the torch-ops reference works in chunks: int64 temporaries of 128 MiB at most
+BLOCK = 1024  # words per program per step of the kernel's loop
+
+
+def is_device_digest(text: str) -> bool:
+    return text.startswith(PREFIX)
+
+
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """The bytes (flat uint8) as int32 words, zero-padded to a whole word (a copy only when needed)."""
+    n = raw.numel()
+    if n % 4 or raw.data_ptr() % 4:
+        padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8, device=raw.device)
+        padded[:n].copy_(raw)
+        raw = padded
+    return raw.view(torch.int32)
+
+
+def _format(sx: int, sy: int, nbytes: int) -> str:
+    # the length enters too: bytes that differ only by trailing zeros padded to the same word differ
+    return f"{PREFIX}{(sx + nbytes * K2) & _M64:016x}{sy & _M64:016x}"
+
+
+# ------------------------------------------------------------------------------------------ reference
+def _mix(v: torch.Tensor, k: int, shift: int) -> torch.Tensor:
+    v = (v * k) & _M32  # int64 products wrap past 2^63; the low 32 bits are exact either way
+    return v ^ (v >> shift)
+
+
+def reference_sums(words: torch.Tensor) -> tuple[int, int]:
+    """ws64x2 of int32 words with torch ops (any device): the definition the kernel must match."""
+    n = words.numel()
+    if n >= 1 << 32:
+        raise ValueError(f"ws64x2 covers tensors under 16 GiB; got {n} words")
+    sx = sy = 0
+    for start in range(0, n, _CHUNK_WORDS):
+        w = words[start : start + _CHUNK_WORDS].to(torch.int64) & _M32
+        i = torch.arange(start, start + w.numel(), dtype=torch.int64, device=w.device)
+        sx += int(_mix(w ^ ((i * K1) & _M32), K2, 16).sum())  # terms < 2^32, a chunk's sum < 2^56: exact
+        sy += int(_mix(w ^ ((i * K3) & _M32), K4, 13).sum())
+    return sx & _M64, sy & _M64
+
+
+def reference_digest(raw: torch.Tensor) -> str:
+    """ws64x2 of a flat uint8 tensor with torch ops."""
+    return _format(*reference_sums(_words(raw)), raw.numel())
+
+
+# ------------------------------------------------------------------------------------------ Triton
+_status: dict[str, str] = {}
+
+
+def kernel_status() -> str:
+    """'triton (...)' when the kernel runs (it matched the reference at first use), else why not; and
+    whether the many-tensor kernel runs."""
+    if _kernel() is not None:
+        _many_kernel()
+    return "; ".join(v for v in (_status.get("kernel", "not tried"), _status.get("many")) if v)
+
+
+@functools.cache
+def _kernel() -> tuple[object, bool] | None:
+    """The Triton kernel and its variant (wide: 64-bit arithmetic), the first variant that matches the
+    reference on first use; None where Triton or a GPU is missing or no variant matches (then the
+    torch-ops reference runs: slower, the same bits)."""
+    kernel = _build_kernel()
+    if kernel is None:
+        _status["kernel"] = "no Triton: torch-ops reference"
+        return None
+    if not torch.cuda.is_available():
+        _status["kernel"] = "no GPU: torch-ops reference"
+        return None
+    why = []
+    for wide in (False, True):  # 32-bit products first: one multiply each, where 64-bit ones take three
+        try:
+            problem = _self_test(kernel, wide)
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run falls back, and says why
+            problem = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+        if problem is None:
+            _status["kernel"] = f"triton ({'64' if wide else '32'}-bit products)"
+            return kernel, wide
+        why.append(f"{'64' if wide else '32'}-bit variant {problem}")
+    _status["kernel"] = "torch-ops reference: " + "; ".join(why)
+    return None
+
+
+def _self_test(kernel, wide: bool) -> str | None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n in (1, 1023, 1 << 20 | 7):
+        words = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device="cuda", generator=gen)
+        out = torch.zeros(2, dtype=torch.int64, device="cuda")
+        _run(kernel, wide, words, out)
+        got = tuple(v & _M64 for v in out.cpu().tolist())
+        want = reference_sums(words)
+        if got != want:
+            return f"disagrees with the reference at {n} words ({got} != {want})"
+    return None
+
+
+def _run(kernel, wide: bool, words: torch.Tensor, out: torch.Tensor) -> None:
+    n = words.numel()
+    blocks = (n + BLOCK - 1) // BLOCK
+    programs = min(_programs(words.device.index or 0) if words.device.type == "cuda" else 3, blocks)
+    kernel[(programs,)](words, n, (blocks + programs - 1) // programs, out, K1, K2, K3, K4, BLOCK=BLOCK, WIDE=wide)
+
+
+def _build_kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def ws64x2_kernel(words_ptr, n_words, iters, out_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        acc_x = tl.zeros([BLOCK], dtype=tl.uint64)
+        acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
+        lanes = tl.arange(0, BLOCK).to(tl.int64)
+        for it in range(0, iters):  # grid-stride: few programs, few atomics
+            offs = (pid + it * nprog).to(tl.int64) * BLOCK + lanes
+            mask = offs < n_words
+            w = tl.load(words_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
+            i = offs.to(tl.uint32)
+            if WIDE:  # 64-bit products masked to 32 bits: right whatever type the constants get
+                w64 = w.to(tl.uint64)
+                i64 = i.to(tl.uint64)
+                x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+                y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+            else:  # uint32 products wrap mod 2^32: what the definition says
+                x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
+                y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
+            x = x ^ (x >> 16)
+            y = y ^ (y >> 13)
+            acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
+            acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
+        tl.atomic_add(out_ptr, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
+        tl.atomic_add(out_ptr + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
+
+    return ws64x2_kernel
+
+
+@functools.cache
+def _programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count * 8
+
+
+def launch(words: torch.Tensor, out: torch.Tensor, wide: bool | None = None) -> None:
+    """Add ws64x2 of `words` (int32, on a GPU) into `out` (2 int64 on the same GPU), asynchronously.
+    `wide` forces a kernel variant (the GPU run times both); None: the one chosen at first use."""
+    n = words.numel()
+    if n >= 1 << 32:
+        raise ValueError(f"ws64x2 covers tensors under 16 GiB; got {n} words")
+    chosen = _kernel() if words.device.type == "cuda" else None
+    if chosen is None:
+        sx, sy = reference_sums(words)
+        out += torch.tensor([sx - (1 << 64) if sx >= 1 << 63 else sx, sy - (1 << 64) if sy >= 1 << 63 else sy],
+                            dtype=torch.int64, device=out.device)
+        return
+    if n == 0:
+        return
+    _run(chosen[0], chosen[1] if wide is None else wide, words, out)
+
+
+def device_digests(raws: list[torch.Tensor]) -> list[str]:
+    """ws64x2 of each flat uint8 tensor (all on one device), then one transfer of the results to the
+    host. On a GPU, one launch covers every tensor (the many-tensor kernel) where it passed its check,
+    else one launch per tensor."""
+    if not raws:
+        return []
+    device = raws[0].device
+    words = [_words(raw) for raw in raws]  # kept alive until the results are read
+    out = torch.zeros((len(raws), 2), dtype=torch.int64, device=device)
+    if device.type == "cuda" and _many_kernel() is not None:
+        _run_many(words, out)
+    else:
+        for k, w in enumerate(words):
+            launch(w, out[k])
+    return [_format(int(a), int(b), raw.numel()) for (a, b), raw in zip(out.cpu().tolist(), raws, strict=True)]
+
+
+# ------------------------------------------------------------------------------------------ many tensors
+@functools.cache
+def _many_kernel():
+    """One launch for a list of tensors (addresses in a table, as Triton's grouped GEMM does): per-tensor
+    launches cost ~20 us each, more than the GPU needs for a 16 MiB tensor. Checked like the other."""
+    chosen = _kernel()
+    if chosen is None:
+        return None
+    kernel = _build_many_kernel()
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        tensors = [torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device="cuda", generator=gen)
+                   for n in (1, 1023, 1 << 20 | 7, 5, 300_001)]
+        out = torch.zeros((len(tensors), 2), dtype=torch.int64, device="cuda")
+        _run_many(tensors, out, kernel=(kernel, chosen[1]))
+        got = [tuple(v & _M64 for v in row) for row in out.cpu().tolist()]
+        want = [reference_sums(t) for t in tensors]
+        if got != want:
+            _status["many"] = f"many-tensor kernel disagrees with the reference ({got[:2]} != {want[:2]})"
+            return None
+    except Exception as exc:  # noqa: BLE001 - falls back to one launch per tensor, and says why
+        _status["many"] = f"many-tensor kernel failed: {type(exc).__name__}: {str(exc)[:300]}"
+        return None
+    _status["many"] = "one launch for many tensors"
+    return kernel, chosen[1]
+
+
+def _run_many(words: list[torch.Tensor], out: torch.Tensor, kernel=None) -> None:
+    kernel, wide = kernel or _many_kernel()
+    device = words[0].device
+    table = torch.tensor([[w.data_ptr(), w.numel()] for w in words], dtype=torch.int64).to(device, non_blocking=True)
+    most = max(w.numel() for w in words)
+    programs = max(1, min(_programs(device.index or 0), (most + BLOCK - 1) // BLOCK))
+    partial = torch.empty((len(words), programs, 2), dtype=torch.int64, device=device)
+    kernel[(programs,)](table, len(words), partial, K1, K2, K3, K4, BLOCK=BLOCK, WIDE=wide)
+    out += partial.sum(dim=1)  # int64 sums wrap mod 2^64: the same as adding in the kernel
+
+
+def _build_many_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ws64x2_many_kernel(table_ptr, n_tensors, partial_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr,
+                           WIDE: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        lanes = tl.arange(0, BLOCK).to(tl.int64)
+        for t in range(0, n_tensors):
+            words_ptr = tl.load(table_ptr + 2 * t).to(tl.pointer_type(tl.int32))
+            n_words = tl.load(table_ptr + 2 * t + 1)
+            blocks = (n_words + BLOCK - 1) // BLOCK
+            iters = (blocks - pid + nprog - 1) // nprog  # this program's blocks of tensor t (may be 0)
+            acc_x = tl.zeros([BLOCK], dtype=tl.uint64)
+            acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
+            for it in range(0, iters):
+                offs = (pid + it * nprog).to(tl.int64) * BLOCK + lanes
+                mask = offs < n_words
+                w = tl.load(words_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
+                i = offs.to(tl.uint32)
+                if WIDE:
+                    w64 = w.to(tl.uint64)
+                    i64 = i.to(tl.uint64)
+                    x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+                    y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+                else:
+                    x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
+                    y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
+                x = x ^ (x >> 16)
+                y = y ^ (y >> 13)
+                acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
+                acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
+            base = partial_ptr + (t * nprog + pid) * 2
+            tl.store(base, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
+            tl.store(base + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
+
+    return ws64x2_many_kernel
+
+
+def kernel_available() -> bool:
+    return _kernel() is not None and torch.cuda.is_available()

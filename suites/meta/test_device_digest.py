@@ -1,0 +1,112 @@
+"""The device digest (harness.device_digest, ws64x2) is a check the whole harness leans on: it must
+catch any single flipped bit, any swapped pair of elements and a tensor delivered from the wrong place in
+its bucket plan. These properties run the torch-ops reference on the CPU; where a GPU is present the
+Triton kernel must give the same bits as the reference (the GPU run also checks it: harness.gpu_check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import device_digest as dd
+from harness.api import ManifestMismatch
+from harness.manifest import Manifest, as_bytes, digests, from_bytes
+
+DTYPES = [torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64]
+
+
+def _digest(raw: torch.Tensor) -> str:
+    return dd.device_digests([raw])[0]
+
+
+@st.composite
+def payloads(draw, min_bytes=1):
+    data = draw(st.binary(min_size=min_bytes, max_size=4096))
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+@settings(max_examples=300)
+@given(raw=payloads(), where=st.integers(min_value=0), bit=st.integers(0, 7))
+def test_any_single_flipped_bit_changes_the_digest(raw, where, bit):
+    flipped = raw.clone()
+    flipped[where % raw.numel()] ^= 1 << bit
+    before, after = _digest(raw), _digest(flipped)
+    assert before != after, f"bit {bit} of byte {where % raw.numel()} of {raw.numel()} flipped: both {before}"
+
+
+@settings(max_examples=300)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(2, 1500), data=st.data())
+def test_any_swapped_pair_of_elements_changes_the_digest(dtype, n, data):
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    t = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=gen)
+    typed = t.view(dtype)
+    i = data.draw(st.integers(0, n - 1), label="i")
+    j = data.draw(st.integers(0, n - 1).filter(lambda j: j != i), label="j")
+    a, b = as_bytes(typed[i : i + 1]).clone(), as_bytes(typed[j : j + 1]).clone()
+    if torch.equal(a, b):
+        return  # equal elements: the swap changes nothing
+    swapped = typed.clone()
+    swapped[i], swapped[j] = typed[j].clone(), typed[i].clone()
+    assert _digest(as_bytes(typed)) != _digest(as_bytes(swapped)), f"{dtype} elements {i} and {j} of {n} swapped"
+
+
+@settings(max_examples=60)
+@given(sizes=st.lists(st.integers(1, 300), min_size=2, max_size=6), data=st.data())
+def test_a_tensor_delivered_from_the_wrong_place_in_the_bucket_plan_is_refused(sizes, data):
+    gen = torch.Generator().manual_seed(len(sizes))
+    shape = (data.draw(st.integers(1, 64), label="elements"),)
+    tensors = {f"t{k}": torch.randn(shape, generator=gen).to(torch.bfloat16) for k in range(len(sizes))}
+    manifest = Manifest.build(1, tensors, bucket_bytes=data.draw(st.integers(64, 512), label="bucket_bytes"),
+                              digest_algorithm="ws64x2")
+    buckets = [manifest.pack_bucket(b, tensors) for b in range(len(manifest.bucket_sizes))]
+    victim, source = data.draw(st.permutations(manifest.entries), label="pair")[:2]
+    received = {e.name: from_bytes(buckets[e.bucket][e.offset : e.offset + e.nbytes], e.shape, e.torch_dtype)
+                for e in manifest.entries}
+    received[victim.name] = from_bytes(buckets[source.bucket][source.offset : source.offset + source.nbytes],
+                                       victim.shape, victim.torch_dtype)  # bytes of another tensor, another place
+    if torch.equal(as_bytes(tensors[victim.name]), as_bytes(tensors[source.name])):
+        return
+    with pytest.raises(ManifestMismatch, match=victim.name):
+        manifest.verify_all(received)
+    assert manifest.wrong(received) == [victim.name]
+
+
+@given(raw=payloads(), chunk=st.integers(1, 64))
+def test_the_sum_does_not_depend_on_how_the_work_is_split(raw, chunk):
+    whole = _digest(raw)
+    saved = dd._CHUNK_WORDS
+    dd._CHUNK_WORDS = chunk  # the reference adds chunk by chunk, the kernel block by block in any order
+    try:
+        assert _digest(raw) == whole
+    finally:
+        dd._CHUNK_WORDS = saved
+
+
+def test_trailing_zero_bytes_change_the_digest():
+    raw = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)
+    assert _digest(raw) != _digest(torch.cat([raw, torch.zeros(1, dtype=torch.uint8)]))
+
+
+def test_host_tensors_keep_xxh3_and_forcing_ws64x2_works_anywhere():
+    t = torch.arange(10, dtype=torch.float32)
+    assert not dd.is_device_digest(digests([t])[0])
+    assert digests([t], "ws64x2")[0] == dd.reference_digest(as_bytes(t))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+def test_the_kernel_gives_the_references_bits():
+    assert dd.kernel_status().startswith("triton"), dd.kernel_status()
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 3, 4, 4097, (1 << 22) + 13):
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        assert dd.device_digests([raw.cuda()])[0] == dd.reference_digest(raw), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+def test_one_launch_for_many_tensors_gives_each_tensors_digest():
+    assert "one launch for many tensors" in dd.kernel_status(), dd.kernel_status()
+    gen = torch.Generator().manual_seed(2)
+    raws = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (7, 4096, 1 << 21, 3, 99_999)]
+    assert dd.device_digests([r.cuda() for r in raws]) == [dd.reference_digest(r) for r in raws]
