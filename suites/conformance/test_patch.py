@@ -133,3 +133,58 @@ def test_fifty_trainer_steps_by_delta_equal_full_syncs(deployment, backend, requ
         f"{sparse} of {len(POLICY_SPEC) * len(history)} tensor updates went as patches; at the trainer's "
         f"sparsity every one should (moved/dense per step: {[round(s.ratio, 4) for s in history[:5]]}...)"
     )
+
+
+# ------------------------------------------------------------------------------------------ special values
+# v -> v+1 differing only where a comparison of values sees nothing (-0.0 == +0.0), or sees a change
+# everywhere (NaN != NaN), or in the smallest step a float has (one subnormal): a patch must carry bits.
+SPECIAL_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_INT_OF = {2: torch.int16, 4: torch.int32}
+ZEROS, NANS, SUBNORMALS = (3, 100, 2000), (5, 700), (9,)
+
+
+def _special_base(dtype: torch.dtype, n: int = 4096) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(21)
+    t = torch.randn(n, generator=gen).to(dtype)
+    bits = t.view(_INT_OF[t.element_size()])
+    width = 8 * t.element_size()
+    mantissa = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
+    exponent_all_ones = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    bits[list(ZEROS)] = 0  # +0.0
+    bits[list(NANS)] = exponent_all_ones | (1 << (mantissa - 1)) | 0b10  # a quiet NaN with a payload
+    bits[list(SUBNORMALS)] = 1  # the smallest positive subnormal
+    return t
+
+
+def _special_change(base: torch.Tensor, kind: str) -> torch.Tensor:
+    out = base.clone()
+    bits = out.view(_INT_OF[out.element_size()])
+    sign = -(1 << (8 * out.element_size() - 1))  # the sign bit, as the signed integer type holds it
+    if kind == "signed-zero":
+        bits[list(ZEROS)] = sign  # -0.0: equal to +0.0 as a value
+    elif kind == "nan-payload":
+        bits[list(NANS)] ^= 0b1  # still a NaN, another payload
+    elif kind == "subnormal":
+        bits[list(SUBNORMALS)] += 1  # the next subnormal up
+    return out
+
+
+@pytest.mark.parametrize("kind", ["signed-zero", "nan-payload", "subnormal"])
+@pytest.mark.parametrize("dtype_name", list(SPECIAL_DTYPES))
+def test_a_patch_carries_special_values_bit_for_bit(deployment, backend, capabilities, kind, dtype_name, request):
+    dtype = SPECIAL_DTYPES[dtype_name]
+    if dtype not in capabilities.dtypes:
+        pytest.skip(f"NOT_SUPPORTED: {backend.name} does not claim {dtype}")
+    base = {"special.weight": _special_base(dtype), "other.weight": _special_base(dtype)[:1000].clone()}
+    nxt = {**base, "special.weight": _special_change(base["special.weight"], kind)}
+    deployment.reset(spec_of(base))
+    push(deployment, 1, base)  # dense: the first push after a reset
+    push(deployment, 2, nxt)  # the patch: only the special values differ
+    history = getattr(deployment.sender, "history", None)
+    if history:  # the built-in delta says how it moved the version: it must have been a patch
+        assert history[-1].sparse_tensors >= 1, f"{backend.name}: v1 -> v2 went dense: {history[-1]}"
+    assert_engines_hold(deployment, 2, nxt, f"{backend.name}: a patch changing only {kind} ({dtype_name})",
+                        rerun_hint(request))
+    push(deployment, 3, base)  # and back again
+    assert_engines_hold(deployment, 3, base, f"{backend.name}: the patch undoing {kind} ({dtype_name})",
+                        rerun_hint(request))

@@ -9,6 +9,8 @@ import torch
 
 from harness.engines.reference import ReferenceEngine
 from harness.paths.control import ControlBackend, ControlDeployment
+from harness.paths import delta_codec
+from harness.paths.delta import DeltaBackend, DeltaSender
 from harness.paths.disk import DiskBackend, DiskSender
 
 
@@ -153,3 +155,31 @@ class NoRetryControlBackend(ControlBackend):
 
 def make_no_retry_control_backend():
     return NoRetryControlBackend()
+
+
+# ------------------------------------------------------------------------------------------ delta
+class _ValueDiffDeltaSender(DeltaSender):
+    """Finds what changed by comparing values, not bits: -0.0 == +0.0, so a sign flip is never sent."""
+
+    def prepare(self, version, named_tensors):
+        real = delta_codec.changed_indices
+        delta_codec.changed_indices = lambda old, new: (old != new).nonzero().reshape(-1)  # the defect under test
+        try:
+            return super().prepare(version, named_tensors)
+        finally:
+            delta_codec.changed_indices = real
+
+
+class ValueDiffDeltaBackend(DeltaBackend):
+    def __init__(self):
+        super().__init__("broadcast")
+        self.name = "broken-value-diff-delta"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine)
+        dep.sender.__class__ = _ValueDiffDeltaSender
+        return dep
+
+
+def make_value_diff_delta_backend():
+    return ValueDiffDeltaBackend()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 pytest_plugins = ["pytester"]
 
 
@@ -37,6 +39,7 @@ def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(py
     result.stdout.fnmatch_lines(["*a fault the client must ride out*"])
 
 
+@pytest.mark.slow  # the thorough tier's own check: the default tier runs one seed per cell
 def test_thorough_profile_draws_seeds_and_prints_the_failing_one(pytester):
     result = _run(pytester, "make_no_retry_control_backend", "drawn and http-answer-lost",
                   "--hypothesis-profile=thorough", "--weightsync-fault-seeds=2")

@@ -69,3 +69,11 @@ def test_results_file_survives_a_killed_run_and_names_the_test_it_stopped_in(pyt
     )
     statuses = {k.rsplit("::", 1)[-1]: v.get("status") for k, v in data["tests"].items()}
     assert statuses == {"test_first_passes": "passed"}, f"results of a killed run: {statuses}"
+
+
+def test_suite_fails_a_delta_that_compares_values_not_bits(pytester):
+    result = _run(pytester, "--weightsync-backend=suites.meta.broken:make_value_diff_delta_backend",
+                  "--weightsync-receivers=1", "-k", "patch_carries_special_values and signed-zero")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 3, f"expected a failure per float dtype, got {outcomes}"
+    assert outcomes.get("passed", 0) == 0, outcomes
