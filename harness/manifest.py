@@ -267,16 +267,32 @@ class Manifest:
                 buf[e.offset : e.offset + e.nbytes].copy_(as_bytes(named_tensors[e.name]))
         return buf
 
-    def unpack_bucket(self, bucket: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed copies of every tensor of `bucket` out of its flat buffer."""
+    def unpack_bucket(self, bucket: int, buf: torch.Tensor, verified: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """Typed copies of every tensor of `bucket` out of its flat buffer. With `verified` (a set the
+        caller owns) and a GPU buffer whose entries carry device digests, the copies are digested in the
+        same pass (harness.device_digest.copy_and_digest), a mismatch raises here, and the names that
+        passed are added to `verified`: the receiver need not read them again."""
         if buf.numel() != self.bucket_sizes[bucket]:
             raise ManifestMismatch(
                 f"version {self.version}: bucket {bucket} has {buf.numel()} bytes, plan says "
                 f"{self.bucket_sizes[bucket]}"
             )
+        entries = self.bucket_entries(bucket)
+        if (verified is not None and entries and buf.device.type == "cuda"
+                and all(device_digest.is_device_digest(e.digest) for e in entries)
+                and device_digest.copy_kernel_available()):
+            copies, sums = device_digest.copy_and_digest([buf[e.offset : e.offset + e.nbytes] for e in entries])
+            for e, d in zip(entries, sums, strict=True):
+                if d != e.digest:
+                    raise ManifestMismatch(
+                        f"version {self.version}: tensor {e.name!r} digest {d} != manifest {e.digest} "
+                        f"({e.nbytes} bytes): the payload was corrupted or truncated"
+                    )
+            verified.update(e.name for e in entries)
+            return {e.name: from_bytes(c, e.shape, e.torch_dtype) for e, c in zip(entries, copies, strict=True)}
         return {
             e.name: from_bytes(buf[e.offset : e.offset + e.nbytes].clone(), e.shape, e.torch_dtype)
-            for e in self.bucket_entries(bucket)
+            for e in entries
         }
 
     # ------------------------------------------------------------------ wire format

@@ -232,7 +232,7 @@ class BroadcastReceiver(StagingReceiver):
             self._group,
             ((torch.empty(size, dtype=torch.uint8, device=self.device), f"version {manifest.version} bucket {b}/{n}")
              for b, size in enumerate(manifest.bucket_sizes)),
-            lambda b, buf: out.update(manifest.unpack_bucket(b, buf.cpu())),
+            lambda b, buf: out.update(self._unpack(manifest, b, buf)),
         )
         trailer = torch.zeros(2, dtype=torch.int64, device=self.device)
         broadcast_one(self._group, trailer, f"version {manifest.version} trailer")
@@ -243,6 +243,14 @@ class BroadcastReceiver(StagingReceiver):
                 "(it raised); nothing was staged"
             )
         return out
+
+    def _unpack(self, manifest: Manifest, b: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed copies on the host (the engine's memory). A bucket that arrived on a GPU is unpacked and
+        digested there first, in one pass, so the digest never runs on the host."""
+        if buf.device.type == "cuda":
+            verified = getattr(self, "verified_in_transfer", None)
+            return {n: t.cpu() for n, t in manifest.unpack_bucket(b, buf, verified=verified).items()}
+        return manifest.unpack_bucket(b, buf)
 
     def _shutdown(self) -> None:
         self._group = None

@@ -144,6 +144,8 @@ class IpcSender(Sender):
 
 
 class IpcReceiver(StagingReceiver):
+    fuse_verify = True  # on a GPU: digest while copying out (False: copy, then verify in a second pass)
+
     def __init__(self, engine, device: str | None = None):
         super().__init__(engine)
         self.device = device
@@ -173,8 +175,10 @@ class IpcReceiver(StagingReceiver):
                 raise TransferError(f"CUDA buffer of bucket {b} holds {buf.numel()} bytes, expected {TOKEN_BYTES + size}")
             head = bytes(buf[:TOKEN_BYTES].cpu().numpy())
             self._check_token(head, token, f"CUDA buffer of bucket {b}")
-            # unpack on the receiver's device (a GPU engine), else into host memory for a CPU engine
-            return manifest.unpack_bucket(b, buf[TOKEN_BYTES : TOKEN_BYTES + size].to(self.device or "cpu"))
+            # unpack (and digest) on the GPU that holds the bytes, then move to the receiver's device (a GPU
+            # engine's, or host memory for a CPU engine): the digest never runs on the host
+            tensors = manifest.unpack_bucket(b, buf[TOKEN_BYTES : TOKEN_BYTES + size], verified=self._fused_verified())
+            return {n: t.to(self.device or "cpu") for n, t in tensors.items()}
         name = str(ref.get("shm"))
         mapping = _map_segment(name)
         try:
@@ -188,6 +192,10 @@ class IpcReceiver(StagingReceiver):
                 del view
         finally:
             mapping.close()
+
+    def _fused_verified(self) -> set[str] | None:
+        """Where the staged copies are digested while they are made (GPU): the set they go in."""
+        return getattr(self, "verified_in_transfer", None) if self.fuse_verify else None
 
     @staticmethod
     def _check_token(head: bytes, token: bytes, what: str) -> None:

@@ -110,3 +110,28 @@ def test_one_launch_for_many_tensors_gives_each_tensors_digest():
     gen = torch.Generator().manual_seed(2)
     raws = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (7, 4096, 1 << 21, 3, 99_999)]
     assert dd.device_digests([r.cuda() for r in raws]) == [dd.reference_digest(r) for r in raws]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+def test_copy_and_digest_copies_every_byte_and_gives_the_references_bits():
+    assert dd.copy_kernel_available(), dd._status
+    gen = torch.Generator().manual_seed(3)
+    raws = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (7, 4096, 1 << 21, 3, 99_999)]
+    copies, sums = dd.copy_and_digest([r.cuda() for r in raws])
+    assert sums == [dd.reference_digest(r) for r in raws]
+    assert all(torch.equal(c.cpu(), r) for c, r in zip(copies, raws))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+def test_a_flipped_bit_in_a_gpu_bucket_is_caught_while_unpacking():
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    tensors = {f"t{k}": torch.randn(1000 + k, generator=gen, device="cuda").to(torch.bfloat16) for k in range(5)}
+    manifest = Manifest.build(1, tensors, bucket_bytes=4096)
+    assert all(dd.is_device_digest(e.digest) for e in manifest.entries)
+    bucket = manifest.pack_bucket(1, tensors, device="cuda")
+    victim = manifest.bucket_entries(1)[0]
+    bucket[victim.offset + 17] ^= 8
+    verified: set[str] = set()
+    with pytest.raises(ManifestMismatch, match=victim.name):
+        manifest.unpack_bucket(1, bucket, verified=verified)
+    assert not verified
