@@ -41,12 +41,24 @@ def _thorough() -> bool:
     return settings._current_profile == "thorough"
 
 
+#: The control column in the default selection: the faults of the control plane itself. Its data plane
+#: is the disk path's, whose column runs the data-plane faults; `--weightsync-backend=control` (and
+#: `weightsync certify`) runs every kind against it.
+CONTROL_PLANE_KINDS = ("receiver-kill", "receiver-stall", "commit-fail", "http-request-cut", "http-answer-lost",
+                       "trainer-raise")
+
+
 def _backends(config) -> list[str]:
     option = config.getoption("--weightsync-backend")
     backends = [n.strip() for n in option.split(",") if n.strip()]
     if option == ",".join(BUILTIN_BACKENDS):  # the default selection: the control plane gets its column too
         backends += list(EXTRA_BACKENDS)
     return backends
+
+
+def _kinds(config, backend: str) -> list[str]:
+    implicit = config.getoption("--weightsync-backend") == ",".join(BUILTIN_BACKENDS) and backend in EXTRA_BACKENDS
+    return [k for k in [*FAULTS, TRAINER_KILL] if not implicit or k in CONTROL_PLANE_KINDS]
 
 
 def pytest_generate_tests(metafunc):
@@ -56,13 +68,13 @@ def pytest_generate_tests(metafunc):
         n_seeds = config.getoption("--weightsync-fault-seeds") or 1
         cells = []
         for backend in _backends(config):
-            for kind in [*FAULTS, TRAINER_KILL]:
+            for kind in _kinds(config, backend):
                 base = zlib.crc32(f"{backend}/{kind}".encode()) % 100_000
                 seeds = [fixed] if fixed is not None else [base + i for i in range(n_seeds)]
                 cells += [(backend, kind, seed) for seed in seeds]
         metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-s{s}" for b, k, s in cells])
     if "drawn_cell" in metafunc.fixturenames:
-        cells = [(b, k) for b in _backends(config) for k in [*FAULTS, TRAINER_KILL]]
+        cells = [(b, k) for b in _backends(config) for k in _kinds(config, b)]
         metafunc.parametrize("drawn_cell", cells, ids=[f"{b}-{k}" for b, k in cells])
 
 
