@@ -79,25 +79,41 @@ def test_wait_lets_in_flight_finish_on_the_old_version(deployment, backend):
         assert _versions(c) == [0], f"{c.request_id}: spans versions {_versions(c)} under pause(wait)"
 
 
+def _kept_in_flight(engine):
+    """Requests caught mid-way by pause(keep): (streams, tokens each had at the pause, max_tokens). A fast
+    engine can finish a request between the caller seeing its first tokens and the pause landing; then
+    nothing is left to continue on the new version, and the scenario is run again with longer requests
+    (within a 4096-token context: a prompt of 8 and 3584 new tokens fit)."""
+    for max_tokens in (KEPT_LEN, 4 * KEPT_LEN, 7 * KEPT_LEN):
+        streams = _in_flight(engine, max_tokens=max_tokens)
+        engine.pause("keep")
+        frozen = [s.token_count for s in streams]
+        if all(f < max_tokens for f in frozen):
+            return streams, frozen, max_tokens
+        engine.resume()  # one finished before the pause: let the rest run out, and try longer ones
+        for s in streams:
+            s.result(timeout=120)
+    pytest.fail(f"every attempt: a request of up to {max_tokens} tokens finished before pause(keep) landed "
+                f"(tokens at the pause: {frozen})")
+
+
 def test_keep_freezes_and_continues_on_the_new_version(deployment, backend):
     engine = deployment.handles[0].engine
-    streams = _in_flight(engine, max_tokens=KEPT_LEN)
-    engine.pause("keep")
-    frozen = [s.token_count for s in streams]
+    streams, frozen, max_tokens = _kept_in_flight(engine)
     _new_version(deployment, 1)
     engine.resume()
     for s, at_pause in zip(streams, frozen):
-        c = s.result(timeout=60)
-        assert c.finish_reason == "length" and len(c.token_ids) == KEPT_LEN, (
+        c = s.result(timeout=120)
+        assert c.finish_reason == "length" and len(c.token_ids) == max_tokens, (
             f"{c.request_id}: {c.finish_reason!r} after {len(c.token_ids)} tokens; keep must continue it"
         )
         # keep spans two versions by design: the report shows where, and the boundary must be clean
         first_new = c.token_versions.index(1) if 1 in c.token_versions else len(c.token_versions)
-        assert c.token_versions == [0] * first_new + [1] * (KEPT_LEN - first_new), (
+        assert c.token_versions == [0] * first_new + [1] * (max_tokens - first_new), (
             f"{c.request_id}: token versions {c.token_versions} are not old-then-new"
         )
-        assert first_new == at_pause < KEPT_LEN, (
-            f"{c.request_id}: {first_new} tokens on version 0, {at_pause} produced before pause (of {KEPT_LEN})"
+        assert first_new == at_pause < max_tokens, (
+            f"{c.request_id}: {first_new} tokens on version 0, {at_pause} produced before pause (of {max_tokens})"
         )
 
 
