@@ -130,6 +130,27 @@ def digests_on_device() -> dict:
                      "digest_model_gbs": size / t_model / 1e9})
         del one, model, words
     out["throughput"] = rows
+    out["bucket_kernel"] = dd._bucket_kernel() is not None and dd._status.get("bucket")
+    fused = []
+    for size in (64 << 20, 256 << 20, 1 << 30):  # a received bucket of 16 MiB tensors: copy out, verify
+        model = _model_like(size, "cuda", seed=9, n=max(4, size >> 24))
+        manifest = Manifest.build(1, model, bucket_bytes=size + (1 << 20))
+        bucket = manifest.pack_bucket(0, model, device="cuda")
+        ranges = [(e.offset, e.nbytes) for e in manifest.entries]
+        t_clone = _event_time(lambda: bucket.clone())
+        t_clone_then_verify = _timed(lambda: manifest.verify_all(manifest.unpack_bucket(0, bucket)))
+        t_fused = _timed(lambda: dd.copy_and_digest_bucket(bucket, ranges))
+        words = bucket.view(torch.int32)
+        dst = torch.empty_like(words)
+        acc = torch.zeros((len(ranges), 2), dtype=torch.int64, device="cuda")
+        t_kernel = (_event_time(lambda: dd._run_bucket(words, dst, [(o // 4, n // 4) for o, n in ranges], acc))
+                    if out["bucket_kernel"] else None)
+        fused.append({"size": size, "tensors": len(model), "clone_ms": t_clone * 1e3,
+                      "clone_then_verify_ms": t_clone_then_verify * 1e3, "copy_and_digest_ms": t_fused * 1e3,
+                      "bucket_kernel_ms": t_kernel * 1e3 if t_kernel else None,
+                      "kernel_over_clone": t_kernel / t_clone if t_kernel else None})
+        del model, bucket, dst, words
+    out["receiver_copy"] = fused
     manifests = []
     for size, algos in ((256 << 20, ("auto", "xxh3")), (1 << 30, ("auto", "xxh3")), (4 << 30, ("auto",))):
         model = _model_like(size, "cuda", seed=7, n=max(8, size >> 24))

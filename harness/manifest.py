@@ -281,7 +281,12 @@ class Manifest:
         if (verified is not None and entries and buf.device.type == "cuda"
                 and all(device_digest.is_device_digest(e.digest) for e in entries)
                 and device_digest.copy_kernel_available()):
-            copies, sums = device_digest.copy_and_digest([buf[e.offset : e.offset + e.nbytes] for e in entries])
+            whole = device_digest.copy_and_digest_bucket(buf, [(e.offset, e.nbytes) for e in entries])
+            if whole is not None:  # one copy of the bucket; each tensor a view of its range
+                copy, sums = whole
+                copies = [copy[e.offset : e.offset + e.nbytes] for e in entries]
+            else:
+                copies, sums = device_digest.copy_and_digest([buf[e.offset : e.offset + e.nbytes] for e in entries])
             for e, d in zip(entries, sums, strict=True):
                 if d != e.digest:
                     raise ManifestMismatch(

@@ -135,3 +135,18 @@ def test_a_flipped_bit_in_a_gpu_bucket_is_caught_while_unpacking():
     with pytest.raises(ManifestMismatch, match=victim.name):
         manifest.unpack_bucket(1, bucket, verified=verified)
     assert not verified
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+def test_a_whole_bucket_is_copied_and_each_tensor_digested_in_one_pass():
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    tensors = {f"t{k}": torch.randn(2000 + 2 * k, generator=gen, device="cuda").to(torch.bfloat16) for k in range(6)}
+    manifest = Manifest.build(1, tensors, bucket_bytes=1 << 20)
+    bucket = manifest.pack_bucket(0, tensors, device="cuda")
+    whole = dd.copy_and_digest_bucket(bucket, [(e.offset, e.nbytes) for e in manifest.entries])
+    assert whole is not None, dd._status
+    copy, sums = whole
+    assert sums == [e.digest for e in manifest.entries]
+    verified: set[str] = set()
+    got = manifest.unpack_bucket(0, bucket, verified=verified)
+    assert verified == set(tensors) and manifest.wrong(got) == []
