@@ -74,6 +74,38 @@ def reference_digest(raw: torch.Tensor) -> str:
 
 
 # ------------------------------------------------------------------------------------------ Triton
+try:  # the kernels' shared pieces; every kernel is built on first use (harness runs without Triton too)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _terms(raw, offs, mask, k1, k2, k3, k4, WIDE: tl.constexpr):
+        """The two ws64x2 terms of each word (int32 `raw` at word index `offs`), 0 where masked, as uint64."""
+        w = raw.to(tl.uint32, bitcast=True)
+        i = offs.to(tl.uint32)
+        if WIDE:  # 64-bit products masked to 32 bits: right whatever type the constants get
+            w64 = w.to(tl.uint64)
+            i64 = i.to(tl.uint64)
+            x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+            y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+        else:  # uint32 products wrap mod 2^32: what the definition says
+            x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
+            y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
+        x = x ^ (x >> 16)
+        y = y ^ (y >> 13)
+        return tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64), tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
+
+    @triton.jit
+    def _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y):
+        """This program's two sums for tensor `t` into partial[t, pid, :]."""
+        base = partial_ptr + (t * nprog + pid) * 2
+        tl.store(base, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
+        tl.store(base + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
+
 _status: dict[str, str] = {}
 
 
@@ -132,10 +164,7 @@ def _run(kernel, wide: bool, words: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _build_kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
+    if triton is None:
         return None
 
     @triton.jit
@@ -148,20 +177,9 @@ def _build_kernel():
         for it in range(0, iters):  # grid-stride: few programs, few atomics
             offs = (pid + it * nprog).to(tl.int64) * BLOCK + lanes
             mask = offs < n_words
-            w = tl.load(words_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
-            i = offs.to(tl.uint32)
-            if WIDE:  # 64-bit products masked to 32 bits: right whatever type the constants get
-                w64 = w.to(tl.uint64)
-                i64 = i.to(tl.uint64)
-                x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-                y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-            else:  # uint32 products wrap mod 2^32: what the definition says
-                x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
-                y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
-            x = x ^ (x >> 16)
-            y = y ^ (y >> 13)
-            acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
-            acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
+            dx, dy = _terms(tl.load(words_ptr + offs, mask=mask, other=0), offs, mask, k1, k2, k3, k4, WIDE)
+            acc_x += dx
+            acc_y += dy
         tl.atomic_add(out_ptr, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
         tl.atomic_add(out_ptr + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
 
@@ -246,9 +264,6 @@ def _run_many(words: list[torch.Tensor], out: torch.Tensor, kernel=None) -> None
 
 
 def _build_many_kernel():
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def ws64x2_many_kernel(table_ptr, n_tensors, partial_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr,
                            WIDE: tl.constexpr):
@@ -265,29 +280,12 @@ def _build_many_kernel():
             for it in range(0, iters):
                 offs = (pid + it * nprog).to(tl.int64) * BLOCK + lanes
                 mask = offs < n_words
-                w = tl.load(words_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
-                i = offs.to(tl.uint32)
-                if WIDE:
-                    w64 = w.to(tl.uint64)
-                    i64 = i.to(tl.uint64)
-                    x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-                    y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-                else:
-                    x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
-                    y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
-                x = x ^ (x >> 16)
-                y = y ^ (y >> 13)
-                acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
-                acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
-            base = partial_ptr + (t * nprog + pid) * 2
-            tl.store(base, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
-            tl.store(base + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
+                dx, dy = _terms(tl.load(words_ptr + offs, mask=mask, other=0), offs, mask, k1, k2, k3, k4, WIDE)
+                acc_x += dx
+                acc_y += dy
+            _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y)
 
     return ws64x2_many_kernel
-
-
-def kernel_available() -> bool:
-    return _kernel() is not None and torch.cuda.is_available()
 
 
 # ------------------------------------------------------------------------------------------ copy + digest
@@ -346,9 +344,6 @@ def copy_and_digest(raws: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[
 
 
 def _build_copy_kernel():
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def ws64x2_copy_kernel(table_ptr, n_tensors, partial_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr,
                            WIDE: tl.constexpr):
@@ -368,23 +363,10 @@ def _build_copy_kernel():
                 mask = offs < n_words
                 raw = tl.load(src_ptr + offs, mask=mask, other=0)
                 tl.store(dst_ptr + offs, raw, mask=mask)
-                w = raw.to(tl.uint32, bitcast=True)
-                i = offs.to(tl.uint32)
-                if WIDE:
-                    w64 = w.to(tl.uint64)
-                    i64 = i.to(tl.uint64)
-                    x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-                    y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-                else:
-                    x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
-                    y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
-                x = x ^ (x >> 16)
-                y = y ^ (y >> 13)
-                acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
-                acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
-            base = partial_ptr + (t * nprog + pid) * 2
-            tl.store(base, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
-            tl.store(base + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
+                dx, dy = _terms(raw, offs, mask, k1, k2, k3, k4, WIDE)
+                acc_x += dx
+                acc_y += dy
+            _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y)
 
     return ws64x2_copy_kernel
 
@@ -451,9 +433,6 @@ def copy_and_digest_bucket(buf: torch.Tensor, ranges: list[tuple[int, int]]) -> 
 
 
 def _build_bucket_kernel():
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def ws64x2_bucket_kernel(src_ptr, dst_ptr, seg_ptr, n_segments, partial_ptr, k1, k2, k3, k4,
                              BLOCK: tl.constexpr, WIDE: tl.constexpr):
@@ -472,22 +451,9 @@ def _build_bucket_kernel():
                 mask = local < n_words
                 raw = tl.load(src_ptr + start + local, mask=mask, other=0)
                 tl.store(dst_ptr + start + local, raw, mask=mask)
-                w = raw.to(tl.uint32, bitcast=True)
-                i = local.to(tl.uint32)
-                if WIDE:
-                    w64 = w.to(tl.uint64)
-                    i64 = i.to(tl.uint64)
-                    x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-                    y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-                else:
-                    x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
-                    y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
-                x = x ^ (x >> 16)
-                y = y ^ (y >> 13)
-                acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
-                acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
-            base = partial_ptr + (t * nprog + pid) * 2
-            tl.store(base, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
-            tl.store(base + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
+                dx, dy = _terms(raw, local, mask, k1, k2, k3, k4, WIDE)
+                acc_x += dx
+                acc_y += dy
+            _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y)
 
     return ws64x2_bucket_kernel
