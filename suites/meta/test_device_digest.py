@@ -150,3 +150,14 @@ def test_a_whole_bucket_is_copied_and_each_tensor_digested_in_one_pass():
     verified: set[str] = set()
     got = manifest.unpack_bucket(0, bucket, verified=verified)
     assert verified == set(tensors) and manifest.wrong(got) == []
+
+
+def test_the_swap_property_bites_a_mix_that_ignores_position(monkeypatch):
+    """The swapped-pair property is not vacuous: with the index taken out of the mix, a swap goes unseen."""
+    raw = torch.arange(64, dtype=torch.uint8)
+    swapped = raw.clone()
+    swapped[0:4], swapped[8:12] = raw[8:12].clone(), raw[0:4].clone()
+    assert _digest(raw) != _digest(swapped)
+    monkeypatch.setattr(dd, "K1", 0)
+    monkeypatch.setattr(dd, "K3", 0)
+    assert _digest(raw) == _digest(swapped), "a position-blind sum should not tell two swapped words apart"

@@ -34,8 +34,8 @@ def test_fault_suite_fails_a_timeout_that_is_not_honoured(pytester):
 
 
 def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(pytester):
-    result = _run(pytester, "make_no_retry_control_backend", "http-request-cut")
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result = _run(pytester, "make_no_retry_control_backend", "fault_cell and (http-request-cut or http-answer-lost)")
+    assert result.parseoutcomes().get("failed", 0) == 2, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*a fault the client must ride out*"])
 
 
