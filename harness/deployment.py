@@ -9,7 +9,8 @@ forgotten), so a trainer never has to redeploy by hand.
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -33,7 +34,8 @@ REFUSALS = (ManifestMismatch, VersionError, LifecycleError, UnknownTensorError)
 
 
 def deliver(
-    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None
+    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None,
+    clock: Clock | None = None,
 ) -> JSON:
     """prepare(), then the data plane: transmit on the sender while every receiver runs
     update_weights. Once every party has returned (or `timeout`, default twice the deployment's,
@@ -41,7 +43,9 @@ def deliver(
     Returns the update_info that was delivered."""
     timeout = 2 * deployment.timeout_s if timeout is None else timeout
     handles = deployment.handles
+    clock = clock or Clock(None)
     update_info = deployment.sender.prepare(version, named_tensors)
+    clock.lap("prepare")
     pool = cf.ThreadPoolExecutor(max_workers=len(handles) + 1, thread_name_prefix="deliver")
     futures = [pool.submit(deployment.sender.transmit)]
     futures += [pool.submit(h.receiver.update_weights, update_info) for h in handles]
@@ -57,6 +61,7 @@ def deliver(
         # or every failed sync keeps its tensors alive until a full garbage collection
         del futures, errors, named_tensors
         raise primary
+    clock.lap("transfer")
     return update_info
 
 
@@ -77,14 +82,17 @@ def _most_telling(errors: list[tuple[int, BaseException]]) -> BaseException:
 
 
 def push(
-    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None
+    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None,
+    timings: dict[str, float] | None = None, on_lap: Callable[[str], None] | None = None,
 ) -> None:
     """The full lifecycle, as a trainer drives it: recover from an earlier failure if needed, start on
     every engine, deliver, finish(version) everywhere. If any party fails, every receiver that started
-    discards the update and the error is re-raised; nothing reports success while engines differ."""
+    discards the update and the error is re-raised; nothing reports success while engines differ.
+    `timings`, when given, receives the wall time of each step: start, prepare, transfer, finish."""
     if deployment.needs_recovery or not deployment.healthy():
         deployment.recover()
         deployment.needs_recovery = False
+    clock = Clock(timings, on_lap)
     started: list[EngineHandle] = []
     try:
         try:
@@ -94,7 +102,8 @@ def push(
             started.clear()
             deployment.recover()
             _start_all(deployment, started)
-        deliver(deployment, version, named_tensors, timeout)
+        clock.lap("start")
+        deliver(deployment, version, named_tensors, timeout, clock)
     except BaseException as exc:
         # No engine may commit a version another engine refused: discard everywhere.
         _abort_all(started)
@@ -119,6 +128,24 @@ def push(
                 versions,
             ) from exc
     deployment.sender.complete(True)
+    clock.lap("finish")
+
+
+class Clock:
+    """Laps of one push, written into `into` (nothing when it is None); `on_lap(name)` after each."""
+
+    def __init__(self, into: dict[str, float] | None, on_lap: Callable[[str], None] | None = None):
+        self.into = into
+        self.on_lap = on_lap
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.into is not None:
+            now = time.perf_counter()
+            self.into[name] = self.into.get(name, 0.0) + now - self.t
+            if self.on_lap is not None:
+                self.on_lap(name)
+            self.t = time.perf_counter()
 
 
 def _start_all(deployment: Deployment, started: list[EngineHandle]) -> None:

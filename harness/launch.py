@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness import wire
+from harness import phases, wire
 from harness.api import (
     DEFAULT_TIMEOUT_S,
     JSON,
@@ -117,6 +117,8 @@ class _RankServer:
             return e.reset_prefix_cache(), None
         if op == "ping":
             return os.getpid(), None
+        if op == "take_phases":  # where this rank's time went since the last take (harness.phases)
+            return phases.take(), None
         if op == "serve_control":  # this rank's engine and receiver behind the HTTP control plane
             from harness.control.server import ControlServer, ServerConfig, ServerThread
 
@@ -462,6 +464,10 @@ class RankDeployment(Deployment):
 
     def healthy(self) -> bool:
         return all(r.healthy for r in self.ranks)
+
+    def take_phases(self) -> list[dict[str, dict[str, float]]]:
+        """Each rank's phase times since the last take (recorded when harness.phases was on at spawn)."""
+        return [r.call("take_phases") for r in self.ranks]
 
     def _restart_unhealthy(self) -> bool:
         """Replace every rank that died or was killed; True if any was."""

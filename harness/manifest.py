@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import xxhash
 
-from harness import device_digest
+from harness import device_digest, phases
 from harness.api import ManifestMismatch, TensorSpec
 
 # safetensors' dtype names: the manifest speaks the checkpoint format's language.
@@ -164,7 +164,8 @@ class Manifest:
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
                 raise ManifestMismatch(f"version {version}: {name!r} is a {type(tensor).__name__}, not a tensor")
-        sums = digests([t for _, t in items], digest_algorithm)
+        with phases.phase("digest"):
+            sums = digests([t for _, t in items], digest_algorithm)
         for (name, tensor), tensor_digest in zip(items, sums, strict=True):
             nbytes = tensor.numel() * tensor.element_size()
             if used is None or (used > 0 and _align(used) + nbytes > bucket_bytes):
@@ -221,6 +222,10 @@ class Manifest:
 
     def verify_all(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         """`verify` for every tensor given, with the device digests of a GPU batched (one transfer)."""
+        with phases.phase("verify"):
+            self._verify_all(named_tensors)
+
+    def _verify_all(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
         pairs = []
         for name, tensor in named_tensors.items():
             e = self.entry(name)
@@ -251,6 +256,10 @@ class Manifest:
     ) -> torch.Tensor:
         """One flat uint8 buffer holding every tensor of `bucket` at its planned offset (written into
         `out` when given, e.g. straight into a shared-memory segment, saving a copy)."""
+        with phases.phase("pack"):
+            return self._pack_bucket(bucket, named_tensors, device, out)
+
+    def _pack_bucket(self, bucket, named_tensors, device, out) -> torch.Tensor:
         size = self.bucket_sizes[bucket]
         if out is None:
             buf = torch.zeros(size, dtype=torch.uint8, device=device)
@@ -267,11 +276,18 @@ class Manifest:
                 buf[e.offset : e.offset + e.nbytes].copy_(as_bytes(named_tensors[e.name]))
         return buf
 
-    def unpack_bucket(self, bucket: int, buf: torch.Tensor, verified: set[str] | None = None) -> dict[str, torch.Tensor]:
+    def unpack_bucket(self, bucket: int, buf: torch.Tensor, verified: set[str] | None = None,
+                      adopt: bool = False) -> dict[str, torch.Tensor]:
         """Typed copies of every tensor of `bucket` out of its flat buffer. With `verified` (a set the
         caller owns) and a GPU buffer whose entries carry device digests, the copies are digested in the
         same pass (harness.device_digest.copy_and_digest), a mismatch raises here, and the names that
-        passed are added to `verified`: the receiver need not read them again."""
+        passed are added to `verified`: the receiver need not read them again. With `adopt` (a host
+        buffer that is the caller's to give away, e.g. freshly received) the tensors are views of it: no copy."""
+        with phases.phase("unpack"):
+            return self._unpack_bucket(bucket, buf, verified, adopt)
+
+    def _unpack_bucket(self, bucket: int, buf: torch.Tensor, verified: set[str] | None,
+                       adopt: bool) -> dict[str, torch.Tensor]:
         if buf.numel() != self.bucket_sizes[bucket]:
             raise ManifestMismatch(
                 f"version {self.version}: bucket {bucket} has {buf.numel()} bytes, plan says "
@@ -295,6 +311,8 @@ class Manifest:
                     )
             verified.update(e.name for e in entries)
             return {e.name: from_bytes(c, e.shape, e.torch_dtype) for e, c in zip(entries, copies, strict=True)}
+        if adopt and buf.device.type == "cpu":
+            return {e.name: from_bytes(buf[e.offset : e.offset + e.nbytes], e.shape, e.torch_dtype) for e in entries}
         return {
             e.name: from_bytes(buf[e.offset : e.offset + e.nbytes].clone(), e.shape, e.torch_dtype)
             for e in entries

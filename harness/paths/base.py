@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
+from harness import phases
 from harness.api import JSON, Engine, ManifestMismatch, Receiver, WeightSyncError
 from harness.lifecycle import NEW, READY, UPDATING, Lifecycle
 from harness.manifest import Manifest, dtype_name
@@ -76,7 +77,7 @@ class StagingReceiver(Receiver, abc.ABC):
             self._reset(UPDATING)
 
     def update_weights(self, update_info: JSON) -> None:
-        with self._mutex:
+        with self._mutex, phases.role("receiver"):
             self._lc.check_update()
             try:
                 manifest = manifest_of(update_info)
@@ -117,7 +118,8 @@ class StagingReceiver(Receiver, abc.ABC):
             self._lc.check_finish(version)  # a failed update staged nothing (update_weights emptied it)
             staged = self._staged
             try:
-                self.engine.commit_weights(staged, version)
+                with phases.role("receiver"), phases.phase("commit"):
+                    self.engine.commit_weights(staged, version)
             finally:
                 self._reset(READY)
 

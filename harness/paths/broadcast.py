@@ -16,8 +16,9 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from harness import phases
 from harness.api import DEFAULT_TIMEOUT_S, JSON, apply_cut, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
-from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest
+from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest, as_bytes
 from harness.paths.base import StagingReceiver
 
 
@@ -50,14 +51,16 @@ def device_for(backend: str, local_rank: int) -> torch.device:
 
 def _start(group, buf: torch.Tensor, what: str):
     try:
-        return group.broadcast(buf, 0)
+        with phases.phase("wire"):
+            return group.broadcast(buf, 0)
     except RuntimeError as exc:
         raise TransferError(f"broadcast of {what} failed: {exc}") from None
 
 
 def _wait(work, what: str) -> None:
     try:
-        work.wait()
+        with phases.phase("wire"):
+            work.wait()
     except RuntimeError as exc:
         raise TransferError(f"broadcast of {what} failed: {exc}") from None
 
@@ -173,12 +176,28 @@ class BroadcastSender(Sender):
         n = len(manifest.bucket_sizes)
         failure: list[tuple[int, BaseException]] = []
 
+        spare: list[torch.Tensor] = []  # two pack buffers, reused: bucket b is packed while b-1 is on the wire
+        packed = [0]
+
+        def bucket(b: int, size: int) -> torch.Tensor:
+            entries = manifest.bucket_entries(b)
+            t = tensors[entries[0].name] if len(entries) == 1 else None
+            if (self.tap is None and t is not None and entries[0].nbytes == size and t.device == self.device
+                    and t.is_contiguous()):
+                return as_bytes(t)  # a bucket that is one whole tensor goes on the wire as it is: no copy
+            slot = packed[0] % 2
+            packed[0] += 1
+            if len(spare) <= slot:
+                spare.append(torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device))
+            out = spare[slot][:size] if spare[slot].numel() >= size else torch.empty(size, dtype=torch.uint8, device=self.device)
+            return manifest.pack_bucket(b, tensors, out=out)
+
         def buckets():
             for b, size in enumerate(manifest.bucket_sizes):
                 buf = None
                 if not failure:
                     try:
-                        buf = manifest.pack_bucket(b, tensors, device=self.device)
+                        buf = bucket(b, size)
                         if self.tap is not None:
                             apply_cut(self.tap(b, buf, None), buf)  # a collective moves whole buckets
                     except Exception as exc:  # noqa: BLE001 - the trainer failed; re-raised after the trailer
@@ -227,12 +246,20 @@ class BroadcastReceiver(StagingReceiver):
         if self._group is None:
             raise TransferError("broadcast receiver has no group; init_transfer_engine first")
         out: dict[str, torch.Tensor] = {}
+        mismatch: list[ManifestMismatch] = []  # raised after the trailer: a collective is drained to its end
         n = len(manifest.bucket_sizes)
+
+        def arrived(b: int, buf: torch.Tensor) -> None:
+            try:
+                out.update(self._unpack(manifest, b, buf))
+            except ManifestMismatch as exc:
+                mismatch.append(exc)
+
         broadcast_buckets(
             self._group,
             ((torch.empty(size, dtype=torch.uint8, device=self.device), f"version {manifest.version} bucket {b}/{n}")
              for b, size in enumerate(manifest.bucket_sizes)),
-            lambda b, buf: out.update(self._unpack(manifest, b, buf)),
+            lambda b, buf: None if mismatch else arrived(b, buf),
         )
         trailer = torch.zeros(2, dtype=torch.int64, device=self.device)
         broadcast_one(self._group, trailer, f"version {manifest.version} trailer")
@@ -242,15 +269,22 @@ class BroadcastReceiver(StagingReceiver):
                 f"version {manifest.version}: the trainer abandoned the transfer at bucket {bucket}/{n} "
                 "(it raised); nothing was staged"
             )
+        if mismatch:
+            raise mismatch[0]
         return out
 
     def _unpack(self, manifest: Manifest, b: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed copies on the host (the engine's memory). A bucket that arrived on a GPU is unpacked and
-        digested there first, in one pass, so the digest never runs on the host."""
+        """Typed tensors on the host (the engine's memory), digested as each bucket lands while the next
+        is on the wire. A host bucket was received into fresh memory: its tensors are views of it (no
+        copy). A bucket that arrived on a GPU is unpacked and digested there, in one pass."""
+        verified = getattr(self, "verified_in_transfer", None)
         if buf.device.type == "cuda":
-            verified = getattr(self, "verified_in_transfer", None)
             return {n: t.cpu() for n, t in manifest.unpack_bucket(b, buf, verified=verified).items()}
-        return manifest.unpack_bucket(b, buf)
+        tensors = manifest.unpack_bucket(b, buf, adopt=True)
+        if verified is not None:
+            manifest.verify_all(tensors)
+            verified.update(tensors)
+        return tensors
 
     def _shutdown(self) -> None:
         self._group = None

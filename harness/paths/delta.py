@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from harness import phases
 from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, BaseMismatch, Capabilities, ManifestMismatch, Sender, WeightSpec
 from harness.manifest import Manifest, as_bytes, digest, digests_like, from_bytes
 from harness.paths import delta_codec as codec
@@ -101,10 +102,11 @@ class DeltaSender(Sender):
 
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
         base_version, base = self._base if self._base else (None, None)
-        payload, entries, stats = encode_delta(base, named_tensors, self.max_sparse_fraction, version)
+        with phases.phase("pack"):  # extracting the patch, and keeping this version as the next base
+            payload, entries, stats = encode_delta(base, named_tensors, self.max_sparse_fraction, version)
+            self._pending = (version, {n: t.detach().clone() for n, t in named_tensors.items()})
         self.history.append(stats)
         self.last_payload = payload
-        self._pending = (version, {n: t.detach().clone() for n, t in named_tensors.items()})
         return {
             "manifest": Manifest.build(version, named_tensors, bucket_bytes=1 << 62).to_json(),
             "delta": {"base_version": base_version, "entries": entries},
@@ -148,8 +150,9 @@ class DeltaReceiver(StagingReceiver):
         payload_info = dict(update_info.get("payload") or {})
         payload_manifest = manifest_of(payload_info)
         payload = self.transport._receive(payload_manifest, payload_info)  # noqa: SLF001
-        for name in payload_manifest.names:  # the patch itself must be intact before it is applied
-            payload_manifest.verify(name, payload[name])
+        with phases.phase("verify"):  # the patch itself must be intact before it is applied
+            for name in payload_manifest.names:
+                payload_manifest.verify(name, payload[name])
         delta = update_info.get("delta") or {}
         entries = delta.get("entries") or {}
         if sorted(entries) != sorted(manifest.names):
@@ -161,6 +164,11 @@ class DeltaReceiver(StagingReceiver):
                 f"version {manifest.version}: patch made against version {delta.get('base_version')}, engine holds "
                 f"version {self.engine.weight_version}; refused (send it dense, or the right patch)"
             )
+        with phases.phase("unpack"):  # patching staging copies of the base
+            return self._apply(manifest, entries, payload, current)
+
+    def _apply(self, manifest: Manifest, entries: JSON, payload: dict[str, torch.Tensor],
+               current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, e in entries.items():
             spec = manifest.entry(name)
@@ -168,7 +176,9 @@ class DeltaReceiver(StagingReceiver):
                 out[name] = from_bytes(payload[f"{name}#dense"], spec.shape, spec.torch_dtype).clone()
                 continue
             base = current[name]
-            if digests_like([base], [str(e.get("base_digest"))])[0] != e.get("base_digest"):
+            with phases.phase("verify"):
+                base_ok = digests_like([base], [str(e.get("base_digest"))])[0] == e.get("base_digest")
+            if not base_ok:
                 raise BaseMismatch(
                     f"version {manifest.version}: tensor {name!r} on the engine (version {self.engine.weight_version}) "
                     "is not the patch's base (digest differs); refused"

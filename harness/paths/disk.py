@@ -15,6 +15,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from harness import phases
 from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Tap, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import Manifest
 from harness.procs import pid_alive
@@ -97,8 +98,9 @@ def write_checkpoint(
                 seen_storage.add(ptr)
                 shard[e.name] = t
             path = tmp / shard_name(bucket)
-            safetensors.torch.save_file(shard, str(path), metadata={"version": str(manifest.version)})
-            _fsync_file(path)
+            with phases.phase("wire"):  # the file system is this path's wire
+                safetensors.torch.save_file(shard, str(path), metadata={"version": str(manifest.version)})
+                _fsync_file(path)
             if tap is not None:
                 _tap_file(tap, bucket, path)
         mpath = tmp / MANIFEST_FILE
@@ -125,7 +127,8 @@ def read_checkpoint(directory: Path, manifest: Manifest) -> dict[str, torch.Tens
     for bucket in range(len(manifest.bucket_sizes)):
         path = directory / shard_name(bucket)
         try:
-            loaded = safetensors.torch.load_file(str(path))
+            with phases.phase("wire"):
+                loaded = safetensors.torch.load_file(str(path))
         except (OSError, safetensors.SafetensorError) as exc:
             raise ManifestMismatch(f"version {manifest.version}: shard {path} unreadable: {exc}") from None
         for e in manifest.bucket_entries(bucket):

@@ -19,6 +19,7 @@ from multiprocessing import shared_memory
 
 import torch
 
+from harness import phases
 from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
 from harness.manifest import Manifest
 from harness.procs import pid_alive
@@ -105,9 +106,10 @@ class IpcSender(Sender):
                 buffers.append({"cuda": cuda_handle(buf), "size": size})
             else:
                 name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-                shm = shared_memory.SharedMemory(name=name, create=True, size=TOKEN_BYTES + size)
-                self._segments.append(shm)
-                _reserve(shm, name)
+                with phases.phase("alloc"):
+                    shm = shared_memory.SharedMemory(name=name, create=True, size=TOKEN_BYTES + size)
+                    self._segments.append(shm)
+                    _reserve(shm, name)
                 view = torch.frombuffer(shm.buf, dtype=torch.uint8)
                 view[:TOKEN_BYTES].copy_(token_t)
                 manifest.pack_bucket(b, named_tensors, out=view[TOKEN_BYTES:])  # packed in place: one copy
