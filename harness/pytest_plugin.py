@@ -117,6 +117,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="directory for the soak reports (soak-<backend>.json; default: the test's tmp_path)",
     )
     group.addoption(
+        "--weightsync-bench-mib",
+        type=int,
+        default=64,
+        help="payload of the throughput gate in suites/performance (MiB; default 64)",
+    )
+    group.addoption(
+        "--weightsync-floor",
+        action="append",
+        default=[],
+        metavar="PATH=RATIO",
+        help="throughput gate of a path (ratio to its ceiling, rows of 16 MiB and up); repeatable; "
+        "defaults: harness.bench.CPU_FLOORS",
+    )
+    group.addoption(
         "--weightsync-results",
         default=None,
         help="write per-test outcomes (passed/failed/skipped/NOT_SUPPORTED, examples) as JSON to this path",
@@ -132,6 +146,13 @@ def _selection(config: pytest.Config) -> Selection:
         sel = Selection(backends, engine, config.getoption("--weightsync-receivers"), engine_capabilities(engine))
         config._weightsync_selection = sel  # type: ignore[attr-defined]
     return sel
+
+
+def floors_of(config: pytest.Config) -> dict[str, float]:
+    """The throughput floors: harness.bench's defaults, with every --weightsync-floor PATH=RATIO applied."""
+    from harness.bench import CPU_FLOORS, parse_floors
+
+    return parse_floors(config.getoption("--weightsync-floor"), CPU_FLOORS)
 
 
 def pytest_configure(config: pytest.Config) -> None:

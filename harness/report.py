@@ -171,15 +171,63 @@ def _group(rows: list[SyncRow]) -> dict[tuple[str, int], list[SyncRow]]:
 
 def throughput_table(rows: list[SyncRow]) -> list[str]:
     lines = [
-        "| path | rx | size (B) | count | type | time (ms) | algbw (GB/s) | ceiling (GB/s) | ratio | #wrong |",
-        "| --- | --: | --: | --: | --- | --: | --: | --: | --: | --: |",
+        "| path | rx | size (B) | count | type | time (ms) | algbw (GB/s) | ceiling (GB/s) | ratio | floor | #wrong | verdict |",
+        "| --- | --: | --: | --: | --- | --: | --: | --: | --: | --: | --: | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r.path} | {r.receivers} | {r.size_bytes} | {r.count} | {r.dtype} | {r.time_s * 1e3:.2f} | "
-            f"{r.algbw_gbs:.3f} | {r.ceiling_gbs:.3f} | {r.ratio:.2f} | {r.wrong} |"
+            f"{r.algbw_gbs:.3f} | {r.ceiling_gbs:.3f} | {r.ratio:.2f} | {r.floor or '–'} | {r.wrong} | "
+            f"{r.verdict if r.floor or r.verdict != 'below floor' else 'ok'} |"
         )
     return lines
+
+
+def breakdown_table(rows: list[SyncRow]) -> list[str]:
+    """Where each row's median push went (ms): the steps the trainer waits on, and the critical path's parts."""
+    from harness.bench import BAR_PARTS
+
+    steps = ("start", "prepare", "transfer", "finish")
+    lines = ["| path | rx | size (MiB) | " + " | ".join(steps) + " | " + " | ".join(BAR_PARTS) + " |",
+             "| --- | --: | --: | " + " | ".join("--:" for _ in steps + BAR_PARTS) + " |"]
+    for r in rows:
+        lines.append(f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | "
+                     + " | ".join(f"{r.steps.get(k, 0.0) * 1e3:.1f}" for k in steps) + " | "
+                     + " | ".join(f"{r.parts.get(k, 0.0) * 1e3:.1f}" for k in BAR_PARTS) + " |")
+    return lines
+
+
+def plot_breakdown(rows: list[SyncRow], path: Path) -> bool:
+    """One stacked bar per row: the critical path of its median push, part by part (harness.bench.BAR_PARTS),
+    with the ceiling's time for the same bytes as a tick."""
+    rows = [r for r in rows if r.parts]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from harness.bench import BAR_PARTS
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.2))
+    labels = [f"{r.path}\n{r.receivers}rx {r.size_bytes / 2**20:.0f}M" for r in rows]
+    bottom = [0.0] * len(rows)
+    colours = plt.get_cmap("tab10")
+    for k, part in enumerate(BAR_PARTS):
+        heights = [r.parts.get(part, 0.0) * 1e3 for r in rows]
+        ax.bar(labels, heights, bottom=bottom, label=part, color=colours(k) if part != "control" else "lightgrey")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ceilings = [r.size_bytes / r.ceiling_gbs / 1e6 if r.ceiling_gbs else None for r in rows]
+    xs = [i for i, c in enumerate(ceilings) if c]
+    ax.scatter(xs, [ceilings[i] for i in xs], marker="_", s=600, color="black", zorder=3, label="ceiling")
+    ax.set_ylabel("ms (median push)")
+    ax.set_title("where a sync's time goes (critical path)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], command: str,
@@ -189,16 +237,20 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
     env = environment()
     faults = faults or {}
     data = {
-        "verdict": verdict({**results, **{f"faults:{b}": r for b, r in faults.items()}}),
+        "verdict": "FAIL" if any(not r.passed for r in rows) else
+                   verdict({**results, **{f"faults:{b}": r for b, r in faults.items()}}),
         "command": command,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": env,
         "conformance": results,
         "throughput": [r.to_json() for r in rows],
+        "throughput_gate": {"failed": [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows
+                                       if not r.passed]},
         "faults": faults,
     }
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
     has_plot = plot_throughput(rows, out_dir / "throughput.png")
+    has_bars = plot_breakdown(rows, out_dir / "breakdown.png")
 
     backends = list(results)
     mat = matrix(results)
@@ -242,12 +294,21 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
                   f"{c['skipped']} | {examples[b]} |")
     if rows:
         md += ["", "## Sync throughput", "",
-               "Full lifecycle per push (start, deliver, finish on every engine), median of repeats; algbw = bytes / time; "
-               "ceiling = the raw transport on this machine in the same run, fastest of 5 after a warm-up (disk: "
-               "write+fsync+read; broadcast: bare gloo broadcast of the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes.", ""]
+               "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
+               "algbw = bytes / time; ceiling = the raw transport on this machine, one repeat before each push, "
+               "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
+               "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
+               "of 16 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).", ""]
         md += throughput_table(rows)
         if has_plot:
             md += ["", "![throughput](throughput.png)"]
+        md += ["", "### Where the time goes", "",
+               "ms of the median push. Steps: what the trainer waits on. Parts: the critical path — the "
+               "trainer's prepare (digest, alloc, pack; wire when it writes files), the slowest receiver's "
+               "transfer (wire, unpack, verify) and commit; control is the rest (RPC, locks, Python).", ""]
+        md += breakdown_table(rows)
+        if has_bars:
+            md += ["", "![breakdown](breakdown.png)"]
     if rows:
         md += ["", "## Cost model", "", "GPU-hours spent in sync = sync seconds × GPUs held × steps / 3600, "
                "for the largest payload measured per path, at 8 GPUs held and 1000 steps:", "",

@@ -294,6 +294,7 @@ class BroadcastBackend(Backend):
     """Built-in backend `broadcast`: rank 0 in this process, receivers in spawned rank processes."""
 
     name = "broadcast"
+    sender_cls = BroadcastSender
 
     def __init__(self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.backend = backend
@@ -312,7 +313,7 @@ class BroadcastBackend(Backend):
         """This path's wiring in another RankDeployment class (ranks placed elsewhere, e.g. containers),
         the sender's store at `addr` (the trainer's address as the ranks see it)."""
         return deployment_cls(
-            sender=BroadcastSender(n_receivers, self.backend, self.bucket_bytes, self.timeout_s, addr=addr),
+            sender=self.sender_cls(n_receivers, self.backend, self.bucket_bytes, self.timeout_s, addr=addr),
             receiver_path="harness.paths.broadcast:BroadcastReceiver",
             n_receivers=n_receivers,
             spec=spec,

@@ -41,9 +41,11 @@ class DeltaStats:
 
 
 def encode_delta(
-    base: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], max_sparse_fraction: float, version: int
+    base: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], max_sparse_fraction: float, version: int,
+    base_digests: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, JSON], DeltaStats]:
-    """Payload tensors (uint8) and per-tensor patch descriptors for base -> new."""
+    """Payload tensors (uint8) and per-tensor patch descriptors for base -> new (`base_digests`: the
+    base's digests where already known, e.g. from the manifest it was sent with)."""
     payload: dict[str, torch.Tensor] = {}
     entries: dict[str, JSON] = {}
     stats = DeltaStats(version)
@@ -60,7 +62,8 @@ def encode_delta(
                 enc = codec.encode_indices(idx, t.numel())
                 values = codec.gather_values(t, idx)
                 if enc.data.numel() + values.numel() < nbytes:
-                    sparse = (enc, values, digest(old))
+                    known = (base_digests or {}).get(name)
+                    sparse = (enc, values, known if known is not None else digest(old))
         else:
             stats.changed_elements += t.numel()
         if sparse is None:
@@ -84,8 +87,10 @@ class DeltaSender(Sender):
     def __init__(self, transport: Sender, max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION):
         self.transport = transport
         self.max_sparse_fraction = max_sparse_fraction
-        self._base: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        # (version, tensors, their manifest digests): the committed base, and the version in flight
+        self._base: tuple[int, dict[str, torch.Tensor], dict[str, str]] | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor], dict[str, str]] | None = None
+        self._spare: dict[str, torch.Tensor] = {}  # an older snapshot's memory, reused for the next one
         self.history: list[DeltaStats] = []
         self.last_payload: dict[str, torch.Tensor] = {}  # what the last prepare() shipped (for replay tests)
 
@@ -101,14 +106,17 @@ class DeltaSender(Sender):
         return self.transport.init()
 
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
-        base_version, base = self._base if self._base else (None, None)
+        base_version, base, base_digests = self._base if self._base else (None, None, None)
+        manifest = Manifest.build(version, named_tensors, bucket_bytes=1 << 62)
         with phases.phase("pack"):  # extracting the patch, and keeping this version as the next base
-            payload, entries, stats = encode_delta(base, named_tensors, self.max_sparse_fraction, version)
-            self._pending = (version, {n: t.detach().clone() for n, t in named_tensors.items()})
+            payload, entries, stats = encode_delta(base, named_tensors, self.max_sparse_fraction, version, base_digests)
+            if self._pending is not None:  # prepared, never completed
+                self._spare = self._pending[1]
+            self._pending = (version, self._snapshot(named_tensors), {e.name: e.digest for e in manifest.entries})
         self.history.append(stats)
         self.last_payload = payload
         return {
-            "manifest": Manifest.build(version, named_tensors, bucket_bytes=1 << 62).to_json(),
+            "manifest": manifest.to_json(),
             "delta": {"base_version": base_version, "entries": entries},
             "payload": self.transport.prepare(version, payload),
         }
@@ -116,18 +124,37 @@ class DeltaSender(Sender):
     def transmit(self) -> None:
         self.transport.transmit()
 
+    def _snapshot(self, named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A private copy of this version (the trainer goes on changing its tensors), written into the
+        spare snapshot's memory where every tensor fits: a warm copy instead of a fresh allocation."""
+        spare, self._spare = self._spare, {}
+        fits = spare.keys() == named_tensors.keys() and all(
+            spare[n].shape == t.shape and spare[n].dtype == t.dtype and spare[n].device == t.device
+            for n, t in named_tensors.items())
+        if fits:
+            for n, t in named_tensors.items():
+                spare[n].copy_(t.detach())
+            return spare
+        return {n: t.detach().clone() for n, t in named_tensors.items()}
+
     def complete(self, committed: bool) -> None:
         self.transport.complete(committed)
-        if committed and self._pending is not None:
-            self._base = self._pending
+        if self._pending is not None:
+            if committed:
+                self._spare = self._base[1] if self._base else {}
+                self._base = self._pending
+            else:
+                self._spare = self._pending[1]
         self._pending = None
 
     def reset(self) -> None:
         self._base = self._pending = None
+        self._spare = {}
         self.transport.reset()
 
     def reset_base(self) -> None:
         self._base = None  # the next prepare() sends every tensor dense
+        self._spare = {}
 
     def shutdown(self) -> None:
         self.transport.shutdown()
@@ -185,7 +212,8 @@ class DeltaReceiver(StagingReceiver):
                 )
             enc = codec.EncodedIndices(str(e.get("encoding")), payload[f"{name}#idx"], int(e.get("count", -1)))
             idx = codec.decode_indices(enc, base.numel())
-            out[name] = codec.apply_patch(base, idx, payload[f"{name}#val"]).reshape(spec.shape)
+            # read_weights() copied the base out (the Engine contract): patch that copy in place
+            out[name] = codec.apply_patch(base, idx, payload[f"{name}#val"], in_place=True).reshape(spec.shape)
         return out
 
     def rebind(self, engine) -> None:

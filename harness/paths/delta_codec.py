@@ -29,7 +29,23 @@ def changed_indices(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Flat int64 indices of elements whose raw bits differ."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise ManifestMismatch(f"cannot diff {tuple(old.shape)} {old.dtype} against {tuple(new.shape)} {new.dtype}")
-    return (int_view(old) != int_view(new)).nonzero().reshape(-1)
+    old_bits, new_bits = int_view(old).reshape(-1), int_view(new).reshape(-1)
+    width = old.element_size()
+    per_word = 8 // width
+    if per_word > 1 and old.numel() % per_word == 0 and old.device.type == "cpu":
+        try:  # compare 8-byte words: nonzero() runs over a quarter (bf16) of the elements
+            old_words, new_words = old_bits.view(torch.int64), new_bits.view(torch.int64)
+        except RuntimeError:  # not 8-byte aligned
+            old_words = None
+        if old_words is not None:
+            words = (old_words != new_words).nonzero().reshape(-1)
+            if words.numel() * per_word <= old.numel() // 4:
+                # which lanes of each changed word differ (little-endian: element k at bits 8*width*k)
+                diff = torch.index_select(old_words, 0, words) ^ torch.index_select(new_words, 0, words)
+                shifts = torch.arange(per_word, dtype=torch.int64) * (8 * width)
+                lanes = ((diff[:, None] >> shifts) & ((1 << (8 * width)) - 1)) != 0
+                return torch.masked_select(words[:, None] * per_word + torch.arange(per_word), lanes)
+    return (old_bits != new_bits).nonzero().reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +103,13 @@ def gather_values(new: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return int_view(new)[idx].contiguous().view(torch.uint8)
 
 
-def apply_patch(base: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """A copy of `base` with the patch scattered in by raw bits."""
-    out = base.detach().clone(memory_format=torch.contiguous_format)
+def apply_patch(base: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """A copy of `base` with the patch scattered in by raw bits (`in_place`: into `base` itself, when it
+    is the caller's own contiguous copy)."""
+    if in_place and base.is_contiguous():
+        out = base.detach()
+    else:
+        out = base.detach().clone(memory_format=torch.contiguous_format)
     width = out.element_size()
     if values.numel() != idx.numel() * width:
         raise ManifestMismatch(f"patch has {values.numel()} value bytes for {idx.numel()} indices of width {width}")

@@ -4,8 +4,12 @@ CPU: POSIX shared memory (/dev/shm), one segment per bucket. CUDA: CUDA IPC hand
 buffer per bucket (same GPU or a peer GPU). Only metadata crosses the control channel, as JSON:
 segment names or IPC handles (bytes, base64), sizes and a per-sync token. The token is written at
 the head of every buffer, so a receiver given a stale handle (released) or a foreign one (another
-sync's, or anyone else's) gets a clear error instead of someone else's bytes. Everything prepare()
-allocates is released by complete(), after every sync, committed or not.
+sync's, or anyone else's) gets a clear error instead of someone else's bytes.
+
+Segments are kept across syncs (one per bucket, reused while its size fits): writing into pages that
+are already backed is a warm copy, where a new segment costs a reservation and a first touch of every
+page, twice the copy on a small host. complete() wipes every token, after every sync, committed or
+not, so a handle is good for one sync only; shutdown() (and a size change) unlinks them.
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ class IpcSender(Sender):
     def __init__(self, device: str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.device = torch.device(device)
         self.bucket_bytes = bucket_bytes
-        self._segments: list[shared_memory.SharedMemory] = []
+        self._segments: list[shared_memory.SharedMemory] = []  # bucket b's segment, kept across syncs
         self._cuda_buffers: list[torch.Tensor] = []
 
     def init(self) -> JSON:
@@ -92,11 +96,13 @@ class IpcSender(Sender):
         return {"kind": "cuda" if self.device.type == "cuda" else "shm"}
 
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
-        self.complete(False)  # a prepare that was never completed must not leak
+        self.complete(False)  # a prepare that was never completed must not leave a valid token behind
         manifest = Manifest.build(version, named_tensors, self.bucket_bytes)
         token = secrets.token_bytes(TOKEN_BYTES)
         token_t = torch.frombuffer(bytearray(token), dtype=torch.uint8)
         buffers = []
+        if self.device.type != "cuda":
+            self._fit_segments(manifest.bucket_sizes)
         for b, size in enumerate(manifest.bucket_sizes):
             if self.device.type == "cuda":
                 buf = torch.empty(TOKEN_BYTES + size, dtype=torch.uint8, device=self.device)
@@ -105,44 +111,73 @@ class IpcSender(Sender):
                 self._cuda_buffers.append(buf)
                 buffers.append({"cuda": cuda_handle(buf), "size": size})
             else:
-                name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-                with phases.phase("alloc"):
-                    shm = shared_memory.SharedMemory(name=name, create=True, size=TOKEN_BYTES + size)
-                    self._segments.append(shm)
-                    _reserve(shm, name)
+                shm = self._segments[b]
                 view = torch.frombuffer(shm.buf, dtype=torch.uint8)
-                view[:TOKEN_BYTES].copy_(token_t)
                 manifest.pack_bucket(b, named_tensors, out=view[TOKEN_BYTES:])  # packed in place: one copy
-                keep = self.tap(b, view[TOKEN_BYTES:], name) if self.tap is not None else None
-                del view
+                keep = self.tap(b, view[TOKEN_BYTES:], shm.name) if self.tap is not None else None
+                view[:TOKEN_BYTES].copy_(token_t)  # last: a receiver never sees this sync's token on a half-packed bucket
+                del view  # no exported pointer may outlive the mapping
                 if keep is not None and 0 <= keep < size:
-                    os.ftruncate(shm._fd, TOKEN_BYTES + keep)  # noqa: SLF001 - the segment ends early  # no exported pointer may outlive the mapping
-                buffers.append({"shm": name, "size": size})
+                    os.ftruncate(shm._fd, TOKEN_BYTES + keep)  # noqa: SLF001 - the segment ends early
+                buffers.append({"shm": shm.name, "size": size})
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"manifest": manifest.to_json(), "token": token.hex(), "buffers": buffers}
+
+    def _fit_segments(self, sizes) -> None:
+        """One segment of exactly TOKEN_BYTES + size per bucket: kept where it fits, new where not."""
+        for b, size in enumerate(sizes):
+            if b < len(self._segments) and os.fstat(self._segments[b]._fd).st_size == TOKEN_BYTES + size:  # noqa: SLF001
+                continue
+            with phases.phase("alloc"):
+                if b < len(self._segments):
+                    _release(self._segments[b])
+                name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+                shm = shared_memory.SharedMemory(name=name, create=True, size=TOKEN_BYTES + size)
+                try:
+                    _reserve(shm, name)
+                except BaseException:  # nothing is kept from a sync that could not reserve its memory
+                    _release(shm)
+                    for kept in self._segments[:b] + self._segments[b + 1 :]:
+                        _release(kept)
+                    self._segments.clear()
+                    raise
+                if b < len(self._segments):
+                    self._segments[b] = shm
+                else:
+                    self._segments.append(shm)
+        for shm in self._segments[len(sizes):]:
+            _release(shm)
+        del self._segments[len(sizes):]
 
     def transmit(self) -> None:
         """Nothing moves: the bytes already sit in memory the receivers map."""
 
     def complete(self, committed: bool) -> None:
-        # CUDA's caching allocator keeps a freed block mapped and intact, so a stale handle would
-        # still open and show this sync's token: wipe the tokens first, then free.
+        # Wipe every token: a handle of this sync is stale from now on. CUDA's caching allocator keeps
+        # a freed block mapped and intact, so a stale CUDA handle would still open: wipe, then free.
         for buf in self._cuda_buffers:
             buf[:TOKEN_BYTES].zero_()
         if self._cuda_buffers:
             torch.cuda.synchronize(self.device)
-        for shm in self._segments:
-            shm.close()
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
-        self._segments.clear()
         self._cuda_buffers.clear()
+        for shm in self._segments:
+            if os.fstat(shm._fd).st_size >= TOKEN_BYTES:  # noqa: SLF001 - a cut segment may be shorter
+                shm.buf[:TOKEN_BYTES] = bytes(TOKEN_BYTES)
 
     def shutdown(self) -> None:
         self.complete(False)
+        for shm in self._segments:
+            _release(shm)
+        self._segments.clear()
+
+
+def _release(shm: shared_memory.SharedMemory) -> None:
+    shm.close()
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
 
 
 class IpcReceiver(StagingReceiver):
@@ -201,6 +236,8 @@ class IpcReceiver(StagingReceiver):
 
     @staticmethod
     def _check_token(head: bytes, token: bytes, what: str) -> None:
+        if head == bytes(TOKEN_BYTES):
+            raise TransferError(f"{what} was released by its sync (token wiped): stale handle")
         if head != token:
             raise TransferError(f"{what} belongs to another sync (token {head.hex()[:12]}..., expected "
                                 f"{token.hex()[:12]}...): foreign or stale handle")

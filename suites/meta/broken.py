@@ -10,6 +10,7 @@ import torch
 from harness.engines.reference import ReferenceEngine
 from harness.paths.control import ControlBackend, ControlDeployment
 from harness.paths import delta_codec
+from harness.paths.broadcast import BroadcastBackend, BroadcastSender
 from harness.paths.delta import DeltaBackend, DeltaSender
 from harness.paths.disk import DiskBackend, DiskSender
 
@@ -183,3 +184,26 @@ class ValueDiffDeltaBackend(DeltaBackend):
 
 def make_value_diff_delta_backend():
     return ValueDiffDeltaBackend()
+
+
+class _NeedlessCopySender(BroadcastSender):
+    """A broadcast whose trainer stages every tensor through needless copies before sending: bytes
+    arrive intact, only slower. The throughput gate must catch it; no correctness test can."""
+
+    def prepare(self, version, named_tensors):
+        for _ in range(NEEDLESS_COPIES):
+            named_tensors = {n: t.clone() for n, t in named_tensors.items()}
+        return super().prepare(version, named_tensors)
+
+
+NEEDLESS_COPIES = 50
+
+
+class NeedlessCopyBroadcastBackend(BroadcastBackend):
+    """Declares itself `broadcast`: a slower build of the same path, as a vendor's regression would be."""
+
+    sender_cls = _NeedlessCopySender
+
+
+def make_needless_copy_broadcast_backend():
+    return NeedlessCopyBroadcastBackend()

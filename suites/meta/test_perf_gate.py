@@ -1,0 +1,36 @@
+"""The throughput gate must catch a path that got slower while staying correct: the ratio gate fails it in
+the same run, and pytest-benchmark's --benchmark-compare against a saved run of the healthy path flags it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+SLOW = "suites.meta.broken:make_needless_copy_broadcast_backend"
+FLOOR = 0.15  # healthy broadcast at 16 MiB on 2 cores: 0.3 (a fixed cost per sync weighs at this size)
+pytestmark = pytest.mark.multiproc
+
+
+def _run(pytester, backend, *args):
+    return pytester.runpytest_subprocess(
+        "--pyargs", "suites.performance.test_sync_throughput", "-p", "no:cacheprovider", "-k", "against",
+        f"--weightsync-backend={backend}", "--weightsync-bench-mib=16", f"--weightsync-floor=broadcast={FLOOR}", *args)
+
+
+def test_a_slower_build_of_a_path_fails_the_ratio_gate_and_the_benchmark_compare(pytester, tmp_path):
+    storage = f"file://{tmp_path / 'benchmarks'}"
+    healthy = _run(pytester, "broadcast", f"--benchmark-storage={storage}", "--benchmark-save=healthy",
+                   f"--benchmark-json={tmp_path / 'healthy.json'}")
+    healthy.assert_outcomes(passed=1)
+    slow = _run(pytester, SLOW, f"--benchmark-storage={storage}", "--benchmark-compare",
+                "--benchmark-compare-fail=median:50%", f"--benchmark-json={tmp_path / 'slow.json'}")
+    out = slow.stdout.str() + slow.stderr.str()
+    assert slow.ret != 0, out[-3000:]
+    assert "below the floor: broadcast 1 rx 16 MiB" in out, out[-3000:]
+    assert "Performance has regressed" in out, out[-3000:]
+    before, after = (json.loads((tmp_path / f"{n}.json").read_text())["benchmarks"][0] for n in ("healthy", "slow"))
+    assert before["name"] == after["name"] == "test_sync_throughput_against_its_ceiling[broadcast]"
+    assert after["extra_info"]["ratio"] < before["extra_info"]["ratio"] / 2, (before["extra_info"], after["extra_info"])
