@@ -38,6 +38,7 @@ CPU_FLOORS = {"disk": 0.6, "broadcast": 0.35, "delta": 0.12, "ipc": 0.07, "delta
 #: What issue 12 asks of the CPU paths (`--floor` values; see docs/performance.md for why ipc cannot).
 CPU_TARGETS = {"disk": 0.8, "broadcast": 0.8, "delta": 0.8, "ipc": 0.7, "delta-ipc": 0.7}
 GATED_FROM_BYTES = 16 << 20
+DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
 #: Parts of a row's critical path, in the order of its stacked bar: the trainer's prepare (digest,
 #: alloc, pack), the slowest receiver's transfer (wire, unpack, verify), its commit, and the rest
 #: (control: RPC, locks, Python between the steps).
@@ -56,6 +57,7 @@ class SyncRow:
     ceiling_gbs: float
     wrong: int
     floor: float = 0.0
+    changed: float = 0.0  # delta paths: the fraction of entries each new version changes
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # start, prepare, transfer, finish
     parts: dict[str, float] = dataclasses.field(default_factory=dict)  # BAR_PARTS of the median repeat
     sender: dict[str, float] = dataclasses.field(default_factory=dict)  # every sender phase (overlaps included)
@@ -300,8 +302,8 @@ class SyncBench:
         self.backend, self.receivers, self.floor = backend, receivers, floor
         self.weights = payload(size)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        changed = (0.01 if fraction is None else fraction) if backend.capabilities.delta else 0.0
-        self._versions = _versions(self.weights, changed, repeats + 1)
+        self.changed = (DEFAULT_CHANGED if fraction is None else fraction) if backend.capabilities.delta else 0.0
+        self._versions = _versions(self.weights, self.changed, repeats + 1)
         self._workdir = str(Path(workdir) / f"{backend.name}-{size}-{receivers}")
         self._samples: list[tuple] = []  # (total, laps, sender at prepare, sender, receivers)
         self._ceiling_times: list[float] = []
@@ -366,7 +368,7 @@ class SyncBench:
         total, laps, at_prepare, sender, ranks = samples[len(samples) // 2]
         ceiling = self.nbytes / min(self._ceiling_times) / 1e9 if self._ceiling_times else 0.0
         return SyncRow(self.backend.name, self.receivers, self.nbytes, len(self.weights), "bf16", total,
-                       self.nbytes / total / 1e9, ceiling, wrong, floor=self.floor, steps=laps,
+                       self.nbytes / total / 1e9, ceiling, wrong, floor=self.floor, changed=self.changed, steps=laps,
                        parts=_critical_parts(laps, at_prepare, ranks), sender=sender,
                        times_s=[s[0] for s in self._samples], ceiling_times_s=self._ceiling_times)
 

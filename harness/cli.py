@@ -2,6 +2,7 @@
 
     weightsync certify                      # every reference path -> reports/certify-<stamp>/
     weightsync certify --backend mypkg.sync:make_backend --engine reference
+    weightsync bench --backend broadcast --sizes-mib 16 64 256 --receivers 1 2 3   # -> reports/bench-<stamp>/
 """
 
 from __future__ import annotations
@@ -123,6 +124,42 @@ def certify(args: argparse.Namespace) -> int:
     return 0 if verdict == "PASS" else 1
 
 
+def bench(args: argparse.Namespace) -> int:
+    """The throughput table, its breakdown and the scaling tables over a grid of sizes and receiver
+    counts (and changed fractions for delta paths), gated like certify's, as reports/bench-<stamp>/."""
+    from harness.bench import CPU_FLOORS, DEFAULT_CHANGED, measure_sync, parse_floors
+    from harness.perf_report import write_perf_report
+
+    try:
+        floors = parse_floors(args.floor, CPU_FLOORS)
+        backends = [resolve_backend(name) for name in args.backend]
+    except (ValueError, WeightSyncError) as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    out = Path(args.out) / f"bench-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    sizes = [s << 20 for s in args.sizes_mib]
+    rows = []
+    for backend in backends:
+        counts = [n for n in args.receivers if n == 1 or backend.capabilities.multi_receiver]
+        fractions = args.delta_fractions if backend.capabilities.delta else [None]
+        for rx in counts:
+            for fraction in fractions:
+                done = len(rows)
+                with console.status(f"[bold]bench[/] {backend.name} ...") as status:
+                    rows += measure_sync(backend, sizes if fraction in (None, DEFAULT_CHANGED) else sizes[-1:], rx,
+                                         repeats=args.repeats, floors=floors, fraction=fraction,
+                                         progress=lambda msg: status.update(f"[bold]bench[/] {msg}"))
+                for r in rows[done:]:
+                    console.print(f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
+                                  f"{f' {r.changed:.1%} changed' if r.changed else ''}: {r.time_s * 1e3:.1f} ms, "
+                                  f"ratio {r.ratio:.2f} ({r.verdict}), #wrong {r.wrong}")
+    report = write_perf_report(out, rows, "weightsync " + shlex.join(sys.argv[1:]))
+    verdict = json.loads((out / "results.json").read_text())["verdict"]
+    console.print(f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/] report: {report}")
+    print(report)
+    return 0 if verdict == "PASS" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="weightsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,7 +177,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="throughput gate of a path: its ratio to the ceiling at 16 MiB and up (repeatable; "
                         "defaults in harness.bench.CPU_FLOORS; see docs/performance.md)")
     c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
+    b = sub.add_parser("bench", help="throughput, breakdown and scaling tables with plots; gated by ratio floors")
+    b.add_argument("--backend", action="append", help="built-in name or pkg.module:factory (default: every built-in path)")
+    b.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256])
+    b.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 3])
+    b.add_argument("--delta-fractions", type=float, nargs="+", default=[0.001, 0.01, 0.05, 0.1, 0.25, 0.5],
+                   help="changed fractions for delta paths (the crossover sweep runs at the largest size)")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--floor", action="append", default=[], metavar="PATH=RATIO")
+    b.add_argument("--out", default="reports")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        args.backend = args.backend or list(BUILTIN_BACKENDS)
+        return bench(args)
     if args.command == "certify":
         args.default_selection = not args.backend
         args.backend = args.backend or list(BUILTIN_BACKENDS)

@@ -1,0 +1,147 @@
+"""The performance report of `weightsync bench`: the sync table with its gate, where the time goes, and the
+scaling tables (time against payload size, against receivers, and delta against dense by changed fraction),
+each drawn as well as tabulated."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from harness.bench import DEFAULT_CHANGED, SyncRow
+from harness.report import breakdown_table, environment, plot_breakdown, plot_throughput, throughput_table
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def receivers_table(rows: list[SyncRow]) -> list[str]:
+    """Time against receivers at each size: a broadcast should stay flat, a copy per receiver grows."""
+    dense = [r for r in rows if not r.changed]
+    counts = sorted({r.receivers for r in dense})
+    if len(counts) < 2:
+        return []
+    lines = ["| path | size (MiB) | " + " | ".join(f"{n} rx (ms)" for n in counts) + f" | {counts[-1]} rx / 1 rx |",
+             "| --- | --: | " + " | ".join("--:" for _ in counts) + " | --: |"]
+    for (path, size) in sorted({(r.path, r.size_bytes) for r in dense}):
+        by = {r.receivers: r.time_s for r in dense if r.path == path and r.size_bytes == size}
+        if len(by) < 2:
+            continue
+        growth = f"{by[max(by)] / by[min(by)]:.2f}" if min(by) == counts[0] else "–"
+        lines.append(f"| {path} | {size / 2**20:.0f} | " + " | ".join(f"{by[n] * 1e3:.1f}" if n in by else "–"
+                                                                   for n in counts) + f" | {growth} |")
+    return lines
+
+
+def crossover_table(rows: list[SyncRow], dense_path: str = "broadcast") -> tuple[list[str], float | None]:
+    """Delta rows by changed fraction against the dense path's time at the same size and receivers; the
+    crossover is the first fraction at which delta is no faster."""
+    deltas = sorted((r for r in rows if r.changed), key=lambda r: r.changed)
+    dense = {(r.size_bytes, r.receivers): r for r in rows if r.path == dense_path and not r.changed}
+    lines = ["| delta path | rx | size (MiB) | changed | delta (ms) | dense (ms) | delta / dense |",
+             "| --- | --: | --: | --: | --: | --: | --: |"]
+    crossover = None
+    for r in deltas:
+        d = dense.get((r.size_bytes, r.receivers))
+        if d is None:
+            continue
+        ratio = r.time_s / d.time_s
+        if ratio >= 1.0 and crossover is None:
+            crossover = r.changed
+        lines.append(f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | {r.changed:.1%} | "
+                     f"{r.time_s * 1e3:.1f} | {d.time_s * 1e3:.1f} | {ratio:.2f} |")
+    return (lines if len(lines) > 2 else []), crossover
+
+
+def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
+    """Left: time against payload (log-log, one line per path and receiver count). Right: delta time over
+    dense time against the changed fraction (below 1: delta pays)."""
+    dense = [r for r in rows if not r.changed]
+    deltas = [r for r in rows if r.changed]
+    if not dense:
+        return False
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    groups: dict[tuple[str, int], list[SyncRow]] = {}
+    for r in dense:
+        groups.setdefault((r.path, r.receivers), []).append(r)
+    for (name, rx), group in sorted(groups.items()):
+        group.sort(key=lambda r: r.size_bytes)
+        left.plot([r.size_bytes / 2**20 for r in group], [r.time_s * 1e3 for r in group], marker="o",
+                  label=f"{name} {rx}rx")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("payload (MiB)")
+    left.set_ylabel("median push (ms)")
+    left.set_title("time against payload and receivers")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=6, ncol=2)
+    by_dense = {(r.path, r.size_bytes, r.receivers): r for r in dense}
+    for name in sorted({r.path for r in deltas}):
+        pts = sorted((r for r in deltas if r.path == name), key=lambda r: r.changed)
+        base = "broadcast" if name == "delta" else "ipc"
+        xs, ys = [], []
+        for r in pts:
+            d = by_dense.get((base, r.size_bytes, r.receivers))
+            if d:
+                xs.append(r.changed * 100)
+                ys.append(r.time_s / d.time_s)
+        if xs:
+            right.plot(xs, ys, marker="o", label=f"{name} / {base}")
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    right.set_xscale("log")
+    right.set_xlabel("entries changed per version (%)")
+    right.set_ylabel("delta time / dense time")
+    right.set_title("delta crossover (below 1: delta pays)")
+    right.grid(alpha=0.3)
+    if right.get_legend_handles_labels()[0]:
+        right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    failed = [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
+    crossover_lines, crossover = crossover_table(rows)
+    data = {"verdict": "FAIL" if failed else "PASS", "command": command, "environment": env,
+            "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
+            "delta_crossover": crossover, "rows": [r.to_json() for r in rows]}
+    (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+    gated = [r for r in rows if r.changed in (0.0, DEFAULT_CHANGED)]  # the sweep's other fractions: below
+    md = [f"# weightsync bench: {data['verdict']}", "", f"- command: `{command}`",
+          f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
+          f"torch {env['torch']})", ""]
+    md += ["## Sync throughput", "", "Median full push (start, prepare, transfer, finish on every engine); ceiling "
+           "= the raw transport, one repeat before each push, the best kept; ratio = algbw / ceiling; a row of "
+           "16 MiB and up fails below its floor, and a ratio above 1.0 is unreliable (not passed).", ""]
+    md += throughput_table(gated)
+    if plot_throughput(gated, out_dir / "throughput.png"):
+        md += ["", "![throughput](throughput.png)"]
+    md += ["", "## Where the time goes", "", "ms of the median push: the trainer's prepare (digest, alloc, pack), "
+           "the slowest receiver's transfer (wire, unpack, verify), its commit, and control (the rest).", ""]
+    md += breakdown_table(gated)
+    if plot_breakdown(gated, out_dir / "breakdown.png"):
+        md += ["", "![breakdown](breakdown.png)"]
+    rx = receivers_table(rows)
+    if rx:
+        md += ["", "## Against receivers", ""] + rx
+    if crossover_lines:
+        md += ["", "## Delta against dense by changed fraction", "",
+               f"Crossover (first fraction where delta is no faster than a dense broadcast): "
+               f"{'none measured' if crossover is None else f'{crossover:.1%}'}.", ""] + crossover_lines
+    if plot_scaling(rows, out_dir / "scaling.png"):
+        md += ["", "![scaling](scaling.png)"]
+    md.append("")
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md))
+    return path
