@@ -42,3 +42,14 @@ def certify(session: nox.Session) -> None:
     """Certify the reference paths and write a report under reports/."""
     _install(session)
     session.run("weightsync", "certify", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """The performance gate with its pytest-benchmark record (saved under reports/benchmarks/, compared with
+    the last saved run: a median 50% slower fails), then `weightsync bench` (tables and plots)."""
+    _install(session)
+    session.run("pytest", "suites/performance", "-k", "sync_throughput and against",
+                "--benchmark-storage=file://reports/benchmarks", "--benchmark-autosave",
+                "--benchmark-compare", "--benchmark-compare-fail=median:50%", *session.posargs)
+    session.run("weightsync", "bench")

@@ -127,7 +127,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="PATH=RATIO",
-        help="throughput gate of a path (ratio to its ceiling, rows of 16 MiB and up); repeatable; "
+        help="throughput gate of a path (ratio to its ceiling, rows of 64 MiB and up); repeatable; "
         "defaults: harness.bench.CPU_FLOORS",
     )
     group.addoption(

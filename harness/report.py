@@ -298,7 +298,7 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
                "algbw = bytes / time; ceiling = the raw transport on this machine, one repeat before each push, "
                "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
                "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
-               "of 16 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).", ""]
+               "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).", ""]
         md += throughput_table(rows)
         if has_plot:
             md += ["", "![throughput](throughput.png)"]

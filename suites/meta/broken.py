@@ -196,7 +196,7 @@ class _NeedlessCopySender(BroadcastSender):
         return super().prepare(version, named_tensors)
 
 
-NEEDLESS_COPIES = 50
+NEEDLESS_COPIES = 30
 
 
 class NeedlessCopyBroadcastBackend(BroadcastBackend):
