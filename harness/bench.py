@@ -41,8 +41,8 @@ GATED_FROM_BYTES = 64 << 20  # below, a fixed cost per sync (RPC, process wake-u
 DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
 #: Parts of a row's critical path, in the order of its stacked bar: the trainer's prepare (digest,
 #: alloc, pack), the slowest receiver's transfer (wire, unpack, verify), its commit, and the rest
-#: (control: RPC, locks, Python between the steps).
-BAR_PARTS = ("digest", "alloc", "pack", "wire", "unpack", "verify", "commit", "control")
+#: (other: RPC, locks, engine reads, Python between the steps).
+BAR_PARTS = ("digest", "alloc", "pack", "wire", "unpack", "verify", "commit", "other")
 
 
 @dataclasses.dataclass
@@ -292,12 +292,12 @@ def _versions(weights: dict[str, torch.Tensor], fraction: float, n: int):
 
 def _critical_parts(steps: dict[str, float], sender: dict[str, float], receivers: list[dict[str, float]]) -> dict:
     """The stacked bar of one push: what the trainer did while preparing, what the slowest receiver did
-    while the bytes moved, its commit, and the rest as control (see BAR_PARTS)."""
+    while the bytes moved, its commit, and the rest as other (see BAR_PARTS)."""
     slowest = max(receivers, key=lambda r: sum(r.values()), default={})
     parts = {p: sender.get(p, 0.0) for p in ("digest", "alloc", "pack")}
     parts.update({p: slowest.get(p, 0.0) for p in ("wire", "unpack", "verify", "commit")})
     parts["wire"] += sender.get("wire", 0.0)  # a path whose trainer writes during prepare (disk)
-    parts["control"] = max(0.0, sum(steps.values()) - sum(parts.values()))
+    parts["other"] = max(0.0, sum(steps.values()) - sum(parts.values()))
     return parts
 
 

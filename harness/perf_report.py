@@ -51,15 +51,22 @@ def crossover_table(rows: list[SyncRow]) -> tuple[list[str], dict[str, float | N
     lines = ["| delta path | rx | size (MiB) | changed | delta (ms) | dense path | dense (ms) | delta / dense |",
              "| --- | --: | --: | --: | --: | --- | --: | --: |"]
     crossover: dict[str, float | None] = {}
+    swept: dict[str, tuple] = {}  # per delta path: the (receivers, size) with the most fractions measured
+    for r in deltas:
+        key = (r.receivers, r.size_bytes)
+        n = sum(1 for x in deltas if x.path == r.path and (x.receivers, x.size_bytes) == key)
+        if n > swept.get(r.path, ((), 0))[1]:
+            swept[r.path] = (key, n)
     for r in deltas:
         base = DENSE_OF.get(r.path, "broadcast")
         d = dense.get((base, r.size_bytes, r.receivers))
         if d is None:
             continue
         ratio = r.time_s / d.time_s
-        crossover.setdefault(r.path, None)
-        if ratio >= 1.0 and crossover[r.path] is None:
-            crossover[r.path] = r.changed
+        if (r.receivers, r.size_bytes) == swept[r.path][0]:
+            crossover.setdefault(r.path, None)
+            if ratio >= 1.0 and crossover[r.path] is None:
+                crossover[r.path] = r.changed
         lines.append(f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | {r.changed:.1%} | "
                      f"{r.time_s * 1e3:.1f} | {base} | {d.time_s * 1e3:.1f} | {ratio:.2f} |")
     return (lines if len(lines) > 2 else []), crossover
@@ -67,10 +74,10 @@ def crossover_table(rows: list[SyncRow]) -> tuple[list[str], dict[str, float | N
 
 def _crossover_text(c: float | None, rows: list[SyncRow], path: str) -> str:
     smallest = min((r.changed for r in rows if r.path == path and r.changed), default=None)
+    if c is not None and c == smallest:
+        return f"none: delta was slower than dense already at {c:.1%}, the smallest fraction measured"
     if c is None:
         return "beyond the sweep (delta paid at every fraction measured)"
-    if c == smallest:
-        return f"none: delta was slower than dense already at {c:.1%}, the smallest fraction measured"
     return f"{c:.1%}"
 
 
@@ -99,7 +106,10 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
     left.legend(fontsize=6, ncol=2)
     by_dense = {(r.path, r.size_bytes, r.receivers): r for r in dense}
     for name in sorted({r.path for r in deltas}):
-        pts = sorted((r for r in deltas if r.path == name), key=lambda r: r.changed)
+        mine = [r for r in deltas if r.path == name]
+        swept = max({(r.receivers, r.size_bytes) for r in mine},
+                    key=lambda k: sum(1 for r in mine if (r.receivers, r.size_bytes) == k))
+        pts = sorted((r for r in mine if (r.receivers, r.size_bytes) == swept), key=lambda r: r.changed)
         base = DENSE_OF.get(name, "broadcast")
         xs, ys = [], []
         for r in pts:
@@ -123,13 +133,13 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
     return True
 
 
-def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str) -> Path:
+def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str, generated_at: str | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     failed = [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
     crossover_lines, crossover = crossover_table(rows)
     data = {"verdict": "FAIL" if failed else "PASS", "command": command, "environment": env,
-            "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
+            "generated_at": generated_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
             "delta_crossover": crossover, "rows": [r.to_json() for r in rows]}
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
     gated = [r for r in rows if r.changed in (0.0, DEFAULT_CHANGED)]  # the sweep's other fractions: below
@@ -143,10 +153,11 @@ def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str) -> Path:
     if plot_throughput(gated, out_dir / "throughput.png"):
         md += ["", "![throughput](throughput.png)"]
     md += ["", "## Where the time goes", "", "ms of the median push: the trainer's prepare (digest, alloc, pack), "
-           "the slowest receiver's transfer (wire, unpack, verify), its commit, and control (the rest).", ""]
+           "the slowest receiver's transfer (wire, unpack, verify), its commit, and other (the rest: RPC, locks, engine reads, Python between steps).", ""]
     md += breakdown_table(gated)
-    if plot_breakdown(gated, out_dir / "breakdown.png"):
-        md += ["", "![breakdown](breakdown.png)"]
+    fewest = min((r.receivers for r in gated), default=1)
+    if plot_breakdown([r for r in gated if r.receivers == fewest], out_dir / "breakdown.png"):
+        md += ["", f"![breakdown](breakdown.png) (bars: {fewest} receiver(s))"]
     rx = receivers_table(rows)
     if rx:
         md += ["", "## Against receivers", ""] + rx
@@ -161,3 +172,21 @@ def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str) -> Path:
     path = out_dir / "report.md"
     path.write_text("\n".join(md))
     return path
+
+
+def rows_from_results(path: Path) -> tuple[list[SyncRow], str]:
+    """The rows and command of a results.json written by write_perf_report (to redraw a report)."""
+    import dataclasses
+
+    data = json.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(SyncRow)}
+    return [SyncRow(**{k: v for k, v in r.items() if k in fields}) for r in data["rows"]], data["command"]
+
+
+def redraw(out_dir: Path) -> Path:
+    """Rewrite report.md and the plots of a bench directory from its results.json (same run, same figures)."""
+    rows, command = rows_from_results(out_dir / "results.json")
+    for r in rows:  # written before a part was renamed
+        if "control" in r.parts:
+            r.parts["other"] = r.parts.pop("control")
+    return write_perf_report(out_dir, rows, command, json.loads((out_dir / "results.json").read_text())["generated_at"])

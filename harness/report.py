@@ -215,7 +215,7 @@ def plot_breakdown(rows: list[SyncRow], path: Path) -> bool:
     colours = plt.get_cmap("tab10")
     for k, part in enumerate(BAR_PARTS):
         heights = [r.parts.get(part, 0.0) * 1e3 for r in rows]
-        ax.bar(labels, heights, bottom=bottom, label=part, color=colours(k) if part != "control" else "lightgrey")
+        ax.bar(labels, heights, bottom=bottom, label=part, color=colours(k) if part != "other" else "lightgrey")
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ceilings = [r.size_bytes / r.ceiling_gbs / 1e6 if r.ceiling_gbs else None for r in rows]
     xs = [i for i, c in enumerate(ceilings) if c]
@@ -305,7 +305,7 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
         md += ["", "### Where the time goes", "",
                "ms of the median push. Steps: what the trainer waits on. Parts: the critical path — the "
                "trainer's prepare (digest, alloc, pack; wire when it writes files), the slowest receiver's "
-               "transfer (wire, unpack, verify) and commit; control is the rest (RPC, locks, Python).", ""]
+               "transfer (wire, unpack, verify) and commit; other is the rest (RPC, locks, engine reads, Python).", ""]
         md += breakdown_table(rows)
         if has_bars:
             md += ["", "![breakdown](breakdown.png)"]
