@@ -38,6 +38,7 @@ CPU_FLOORS = {"disk": 0.6, "broadcast": 0.35, "delta": 0.12, "ipc": 0.07, "delta
 #: What issue 12 asks of the CPU paths (`--floor` values; see docs/performance.md for why ipc cannot).
 CPU_TARGETS = {"disk": 0.8, "broadcast": 0.8, "delta": 0.8, "ipc": 0.7, "delta-ipc": 0.7}
 GATED_FROM_BYTES = 64 << 20  # below, a fixed cost per sync (RPC, process wake-ups) dominates a 2-core host
+CEILING_REPEATS_PER_PUSH = 2
 DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
 #: Parts of a row's critical path, in the order of its stacked bar: the trainer's prepare (digest,
 #: alloc, pack), the slowest receiver's transfer (wire, unpack, verify), its commit, and the rest
@@ -110,24 +111,31 @@ class Ceiling:
 
 
 class DiskCeiling(Ceiling):
-    """One file written with fsync, then read back by every receiver at once: 1 write, N reads."""
+    """The same bytes in files of the path's shard size, each written with fsync, then read back by every
+    receiver at once: 1 write, N reads, the path's file layout without its format or its commit protocol."""
 
-    def __init__(self, size_bytes: int, directory: str, receivers: int = 1):
+    def __init__(self, size_bytes: int, directory: str, receivers: int = 1, shard_bytes: int = 1 << 40):
         self.data = os.urandom(min(size_bytes, 1 << 20)) * max(1, size_bytes // (1 << 20))
-        self.path = Path(directory) / "ceiling.bin"
+        step = max(1, min(shard_bytes, len(self.data)))
+        self.chunks = [memoryview(self.data)[i : i + step] for i in range(0, len(self.data), step)]
+        self.paths = [Path(directory) / f"ceiling-{k}.bin" for k in range(len(self.chunks))]
         self.receivers = receivers
         self.into = [bytearray(len(self.data)) for _ in range(receivers)]  # warm: a read is the cache's copy
 
     def _read(self, k: int) -> None:
-        with open(self.path, "rb", buffering=0) as f:
-            f.readinto(self.into[k])
+        view, offset = memoryview(self.into[k]), 0
+        for path, chunk in zip(self.paths, self.chunks, strict=True):
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(view[offset : offset + len(chunk)])
+            offset += len(chunk)
 
     def once(self) -> float:
         t0 = time.perf_counter()
-        with open(self.path, "wb") as f:
-            f.write(self.data)
-            f.flush()
-            os.fsync(f.fileno())
+        for path, chunk in zip(self.paths, self.chunks, strict=True):
+            with open(path, "wb") as f:
+                f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
         if self.receivers == 1:
             self._read(0)
         else:
@@ -136,7 +144,8 @@ class DiskCeiling(Ceiling):
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self.path.unlink(missing_ok=True)
+        for path in self.paths:
+            path.unlink(missing_ok=True)
 
 
 class GlooCeiling(Ceiling):
@@ -243,38 +252,12 @@ def make_ceiling(backend: Backend, nbytes: int, receivers: int, workdir: str) ->
     """The raw transport under the path: file write+read, bare gloo broadcast, or memcpy."""
     kind = ceiling_kind(backend)
     if kind == "disk":
-        return DiskCeiling(nbytes, workdir, receivers)
+        return DiskCeiling(nbytes, workdir, receivers, getattr(backend, "shard_bytes", 1 << 40))
     if kind == "gloo":
         return GlooCeiling(nbytes, receivers, getattr(backend, "bucket_bytes", DEFAULT_BUCKET_BYTES))
     if kind == "memcpy":
         return MemcpyCeiling(nbytes, receivers)
     return None
-
-
-def best_of(ceiling: Ceiling, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` runs after a warm-up (for a ceiling measured on its own)."""
-    ceiling.once()
-    return min(ceiling.once() for _ in range(max(repeats, 1)))
-
-
-def disk_ceiling(size_bytes: int, directory: str, repeats: int = 3) -> float:
-    c = DiskCeiling(size_bytes, directory)
-    try:
-        return len(c.data) / best_of(c, max(repeats, 5)) / 1e9
-    finally:
-        c.close()
-
-
-def gloo_broadcast_ceiling(size_bytes: int, receivers: int, bucket_bytes: int, repeats: int = 3) -> float:
-    c = GlooCeiling(size_bytes, receivers, bucket_bytes)
-    try:
-        return size_bytes / best_of(c, max(repeats, 5)) / 1e9
-    finally:
-        c.close()
-
-
-def memcpy_ceiling(size_bytes: int, repeats: int = 3) -> float:
-    return size_bytes / best_of(MemcpyCeiling(size_bytes), max(repeats, 5)) / 1e9
 
 
 def _versions(weights: dict[str, torch.Tensor], fraction: float, n: int):
@@ -303,7 +286,7 @@ def _critical_parts(steps: dict[str, float], sender: dict[str, float], receivers
 
 class SyncBench:
     """One row's measurement, as `weightsync certify` and suites/performance both take it: deploy, push
-    once to warm up, then per repeat `before()` (one ceiling repeat, the next version; untimed) and
+    once to warm up, then per repeat `before()` (two ceiling repeats, the next version; untimed) and
     `push(weights)` (timed, with its phases); `row()` at the end.
 
     Delta paths push a new version with `fraction` (default 1%) of entries changed each time (the RL
@@ -346,9 +329,9 @@ class SyncBench:
             phases.set_enabled(self._was_recording)
 
     def before(self) -> tuple[tuple, dict]:
-        """Untimed, before each push: one ceiling repeat, the next version; (args, kwargs) of push()."""
-        if self.ceiling is not None:
-            self._ceiling_times.append(self.ceiling.once())
+        """Untimed, before each push: two ceiling repeats, the next version; (args, kwargs) of push()."""
+        if self.ceiling is not None:  # two per push: the best of a few is a ceiling, one sample is noise
+            self._ceiling_times += [self.ceiling.once() for _ in range(CEILING_REPEATS_PER_PUSH)]
         weights = next(self._versions)
         phases.take()
         self._take_ranks()
@@ -417,8 +400,8 @@ def measure_sync(
     floors: dict[str, float] | None = None,
     fraction: float | None = None,
 ) -> list[SyncRow]:
-    """One row per size (SyncBench): the median of `repeats` full pushes, each preceded by one ceiling
-    repeat; the ceiling is the best of its repeats."""
+    """One row per size (SyncBench): the median of `repeats` full pushes, each preceded by two ceiling
+    repeats; the ceiling is the best of its repeats."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         for size in sizes:

@@ -147,7 +147,7 @@ def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str, generate
           f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
           f"torch {env['torch']})", ""]
     md += ["## Sync throughput", "", "Median full push (start, prepare, transfer, finish on every engine); ceiling "
-           "= the raw transport, one repeat before each push, the best kept; ratio = algbw / ceiling; a row of "
+           "= the raw transport, two repeats before each push, the best kept; ratio = algbw / ceiling; a row of "
            "64 MiB and up fails below its floor, and a ratio above 1.0 is unreliable (not passed).", ""]
     md += throughput_table(gated)
     if plot_throughput(gated, out_dir / "throughput.png"):

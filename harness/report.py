@@ -295,7 +295,7 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
     if rows:
         md += ["", "## Sync throughput", "",
                "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
-               "algbw = bytes / time; ceiling = the raw transport on this machine, one repeat before each push, "
+               "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
                "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
                "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
                "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).", ""]

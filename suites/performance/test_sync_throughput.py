@@ -1,8 +1,8 @@
 """The whole sync as a trainer pays it, on pytest-benchmark, gated by its ratio to the transport's ceiling.
 
 Each test pushes `repeats` new versions through a fresh deployment of the selected path (start, prepare,
-transfer, finish on every engine); before each push, untimed, one repeat of the ceiling (the raw
-transport: file write+fsync+reads, bare gloo broadcast, memcpy) runs, so ceiling and path see the same
+transfer, finish on every engine); before each push, untimed, two repeats of the ceiling (the raw
+transport: file write+fsync+reads, bare gloo broadcast, memcpy) run, so ceiling and path see the same
 machine. pytest-benchmark times the pushes (its JSON, `--benchmark-save` / `--benchmark-compare`, is
 the regression record); the verdict is the ratio gate (harness.bench.SyncRow): #wrong must be 0, the
 ratio at or above the path's floor (`--weightsync-floor PATH=RATIO`, defaults in harness.bench.CPU_FLOORS),
