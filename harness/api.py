@@ -223,6 +223,7 @@ class Capabilities:
     arbitrary_tensors: bool = True  # engine accepts any (name, shape, dtype) spec, not only a fixed model
     interposable: bool = False  # the sender calls `Sender.tap` on every unit of payload (fault injection)
     http_control: bool = False  # the lifecycle goes over HTTP: each handle's receiver has a ControlClient `.client`
+    buckets: bool = False  # the data plane moves a version in units of `Backend.bucket_bytes`, set by deploy()
 
     def restricted_by(self, engine: Capabilities) -> Capabilities:
         """What a (backend, engine) pair can do: what both support."""
@@ -237,6 +238,7 @@ class Capabilities:
             arbitrary_tensors=self.arbitrary_tensors and engine.arbitrary_tensors,
             interposable=self.interposable,  # a property of the data plane alone
             http_control=self.http_control,  # a property of the control plane alone
+            buckets=self.buckets,  # a property of the data plane alone
         )
 
     def describe(self) -> JSON:
@@ -251,6 +253,7 @@ class Capabilities:
             "arbitrary_tensors": self.arbitrary_tensors,
             "interposable": self.interposable,
             "http_control": self.http_control,
+            "buckets": self.buckets,
         }
 
 
@@ -480,10 +483,16 @@ class Backend(abc.ABC):
 
     name: str
     capabilities: Capabilities
+    #: The unit the data plane moves a version in (bytes; broadcast buckets, ipc segments, disk shards),
+    #: None where it has none. A tensor larger than a bucket gets one of its own.
+    bucket_bytes: int | None = None
 
     @abc.abstractmethod
     def deploy(
-        self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str = DEFAULT_ENGINE
+        self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str = DEFAULT_ENGINE,
+        bucket_bytes: int | None = None,
     ) -> Deployment:
         """Build a Sender and `n_receivers` engines, each made by the engine factory named `engine`
-        (an import path `pkg.module:factory` taking the spec) with `spec` (None: its default model)."""
+        (an import path `pkg.module:factory` taking the spec) with `spec` (None: its default model).
+        A backend that claims `buckets` takes `bucket_bytes` (None: its own `bucket_bytes`), so a suite
+        can make any path cross its own boundaries."""

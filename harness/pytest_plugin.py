@@ -226,16 +226,19 @@ class DeploymentPool:
         self.workdir = workdir
         self._deployments: dict[tuple[str, int], Deployment] = {}
 
-    def workdir_of(self, name: str, n: int) -> Path:
-        """The working directory the deployment of (backend, receiver count) was given."""
-        return self.workdir / f"{name.replace(':', '_').replace('/', '_')}-{n}rx"
+    def workdir_of(self, name: str, n: int, bucket_bytes: int | None = None) -> Path:
+        """The working directory the deployment of (backend, receiver count[, bucket size]) was given."""
+        suffix = f"-{bucket_bytes}B" if bucket_bytes else ""
+        return self.workdir / f"{name.replace(':', '_').replace('/', '_')}-{n}rx{suffix}"
 
-    def get(self, name: str, n: int) -> Deployment:
-        if (name, n) not in self._deployments:
-            wd = self.workdir_of(name, n)
+    def get(self, name: str, n: int, bucket_bytes: int | None = None) -> Deployment:
+        key = (name, n, bucket_bytes)
+        if key not in self._deployments:
+            wd = self.workdir_of(name, n, bucket_bytes)
             wd.mkdir(parents=True, exist_ok=True)
-            self._deployments[(name, n)] = self.sel.backends[name].deploy(n, None, str(wd), engine=self.sel.engine)
-        return self._deployments[(name, n)]
+            extra = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}  # only backends claiming `buckets`
+            self._deployments[key] = self.sel.backends[name].deploy(n, None, str(wd), engine=self.sel.engine, **extra)
+        return self._deployments[key]
 
     def close(self) -> None:
         for d in self._deployments.values():
@@ -279,6 +282,21 @@ def deployment(deployment_pool: DeploymentPool, ws_target) -> Deployment:
     dep = deployment_pool.get(*ws_target)
     dep.reset(None)
     return dep
+
+
+@pytest.fixture
+def deployment_with_buckets(deployment_pool: DeploymentPool, ws_target, capabilities):
+    """`deployment_with_buckets(n)`: a deployment of the backend under test whose data plane moves
+    versions in units of n bytes (deploy(bucket_bytes=n); NOT_SUPPORTED unless it claims `buckets`)."""
+    if not capabilities.buckets:
+        pytest.skip(f"{NOT_SUPPORTED}: backend {ws_target[0]!r} does not claim ['buckets']")
+
+    def make(bucket_bytes: int) -> Deployment:
+        dep = deployment_pool.get(*ws_target, bucket_bytes=bucket_bytes)
+        dep.reset(None)
+        return dep
+
+    return make
 
 
 @pytest.fixture

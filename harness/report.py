@@ -17,6 +17,7 @@ from harness.bench import SyncRow
 INVARIANTS: dict[str, str] = {
     "test_bitwise": "1 bitwise (dtypes, shapes, NaN, -0.0)",
     "test_model_updates": "1 bitwise (model, trainer versions)",
+    "test_buckets": "1 bitwise across buckets (tiny/unaligned units, oversize tensors, reuse)",
     "test_lifecycle_stateful": "3+5 version monotonicity, lifecycle order",
     "test_bad_input": "5 bad input refused, nothing lost",
     "test_pause_resume": "6 pause/resume, no mixing, nothing lost",

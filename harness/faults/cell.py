@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -144,6 +145,7 @@ def run_cell(
     if reason:
         result.verdict, result.reasons = "not_applicable", [reason]
         return result
+    segments_before = own_segments()  # the trainer's segments that are not this cell's (e.g. a suite's pool)
     try:
         dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
     except Exception as exc:  # noqa: BLE001 - a cell that cannot start is unknown, never ok
@@ -183,7 +185,7 @@ def run_cell(
             dep.close()
         finally:
             fault.teardown(ctx)
-        leaks = leaked(seen.values(), workdir)
+        leaks = leaked(seen.values(), workdir, segments_before)
         if leaks and result.verdict in ("ok", "fail"):
             result.verdict = "fail"
             result.reasons.append("leaked after close: " + "; ".join(leaks))
@@ -201,13 +203,14 @@ def read_engines(dep) -> list[tuple[int, dict[str, torch.Tensor]] | str]:
     return out
 
 
-def leaked(ranks, workdir: Path) -> list[str]:
-    """Processes, shared-memory segments and partial directories this cell created and left behind."""
+def leaked(ranks, workdir: Path, segments_before: Iterable[str] = ()) -> list[str]:
+    """Processes, shared-memory segments and partial directories this cell created and left behind
+    (segments this trainer held before the cell, e.g. a suite's open ipc deployments, are not its own)."""
     out = []
     alive = [r for r in ranks if pid_alive(r.pid)]
     if alive:
         out.append(f"rank processes still running: {[f'{r.name} pid {r.pid}' for r in alive]}")
-    segments = own_segments()
+    segments = sorted(set(own_segments()) - set(segments_before))
     if segments:
         out.append(f"/dev/shm segments of this trainer: {segments[:5]}")
     partial = [str(p) for p in workdir.rglob("*.tmp-*")]

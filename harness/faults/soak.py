@@ -25,6 +25,7 @@ from harness.faults.cell import (
     strike,
 )
 from harness.faults.injectors import FAULTS, FaultContext
+from harness.paths.ipc import own_segments
 
 SOAK_BACKENDS = ("broadcast", "ipc")
 #: The faults a soak cycles through (those that need no mount or file-backed data plane).
@@ -69,6 +70,7 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
     and the push after it is its recovery. Returns the report (JSON-able)."""
     caps = caps or backend.capabilities
     rng = random.Random(seed)
+    segments_before = own_segments()
     dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
     seen = {p.pid: p for p in dep.processes()}
     cells, clean_failures = [], []
@@ -127,7 +129,7 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
         end_fds = _fd_targets()
     finally:
         dep.close()
-    leaks = leaked(seen.values(), workdir)
+    leaks = leaked(seen.values(), workdir, segments_before)
     leaks += clean_failures
     if wrong:
         leaks.append(f"engines {wrong} do not serve the last version {syncs} at the end")

@@ -301,19 +301,21 @@ class BroadcastBackend(Backend):
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.capabilities = Capabilities(multi_receiver=True, max_receivers=16, gpu=backend == "nccl",
-                                         interposable=True)
+                                         interposable=True, buckets=True)
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
+               bucket_bytes: int | None = None):
         from harness.launch import RankDeployment
 
-        return self.deploy_with(RankDeployment, n_receivers, spec, workdir, engine)
+        return self.deploy_with(RankDeployment, n_receivers, spec, workdir, engine, bucket_bytes=bucket_bytes)
 
     def deploy_with(self, deployment_cls, n_receivers: int, spec: WeightSpec | None, workdir: str,
-                    engine: str | None = None, addr: str | None = None, **extra):
+                    engine: str | None = None, addr: str | None = None, bucket_bytes: int | None = None, **extra):
         """This path's wiring in another RankDeployment class (ranks placed elsewhere, e.g. containers),
         the sender's store at `addr` (the trainer's address as the ranks see it)."""
         return deployment_cls(
-            sender=self.sender_cls(n_receivers, self.backend, self.bucket_bytes, self.timeout_s, addr=addr),
+            sender=self.sender_cls(n_receivers, self.backend, bucket_bytes or self.bucket_bytes, self.timeout_s,
+                                   addr=addr),
             receiver_path="harness.paths.broadcast:BroadcastReceiver",
             n_receivers=n_receivers,
             spec=spec,

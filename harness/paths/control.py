@@ -123,7 +123,8 @@ class ControlBackend(Backend):
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = timeout_s
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
+               bucket_bytes: int | None = None):
         return ControlDeployment(n_receivers, spec, workdir, engine, self.timeout_s)
 
 

@@ -20,6 +20,7 @@ from harness.manifest import Manifest, as_bytes, digest, digests_like, from_byte
 from harness.paths import delta_codec as codec
 from harness.paths.base import StagingReceiver, manifest_of
 from harness.paths.broadcast import BroadcastReceiver, BroadcastSender
+from harness.paths.ipc import DEFAULT_BUCKET_BYTES as IPC_BUCKET_BYTES
 from harness.paths.ipc import IpcReceiver, IpcSender
 
 DEFAULT_MAX_SPARSE_FRACTION = 0.25
@@ -232,24 +233,29 @@ class DeltaBackend(Backend):
     """Built-in backends `delta` (over broadcast) and `delta-ipc` (over shared memory)."""
 
     def __init__(self, transport: str = "broadcast", max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION,
-                 device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S):
+                 device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int | None = None):
         self.transport = transport
+        # the patch's payload travels in the transport's units (its default where None is given)
+        self.bucket_bytes = bucket_bytes or (1 << 20 if transport == "broadcast" else IPC_BUCKET_BYTES)
         self.timeout_s = timeout_s
         self.max_sparse_fraction = max_sparse_fraction
         self.device = device
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
         self.capabilities = Capabilities(delta=True, ipc=transport == "ipc", multi_receiver=True, max_receivers=8,
-                                         gpu=device != "cpu", interposable=device == "cpu" or transport == "broadcast")
+                                         gpu=device != "cpu", interposable=device == "cpu" or transport == "broadcast",
+                                         buckets=True)
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
+               bucket_bytes: int | None = None):
         from harness.launch import RankDeployment
 
+        unit = bucket_bytes or self.bucket_bytes
         if self.transport == "broadcast":
             backend = "nccl" if self.device != "cpu" else "gloo"
-            transport: Sender = BroadcastSender(n_receivers, backend, timeout_s=self.timeout_s)
+            transport: Sender = BroadcastSender(n_receivers, backend, unit, timeout_s=self.timeout_s)
             receiver_path, rank_info = "harness.paths.delta:DeltaReceiver", (lambda info, rank: {**info, "rank": rank})
         else:
-            transport = IpcSender(self.device)
+            transport = IpcSender(self.device, unit)
             receiver_path, rank_info = "harness.paths.delta:DeltaIpcReceiver", (lambda info, rank: info)
         return RankDeployment(
             sender=DeltaSender(transport, self.max_sparse_fraction),

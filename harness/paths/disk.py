@@ -213,17 +213,22 @@ class DiskBackend(Backend):
     read blocked on a hung filesystem holds only its rank, which the supervisor can kill)."""
 
     name = "disk"
-    capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True)
+    capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True, buckets=True)
 
     def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.shard_bytes = shard_bytes
         self.timeout_s = timeout_s
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+    @property
+    def bucket_bytes(self) -> int:  # a shard file is this path's bucket
+        return self.shard_bytes
+
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
+               bucket_bytes: int | None = None):
         from harness.launch import RankDeployment
 
         return RankDeployment(
-            sender=DiskSender(Path(workdir) / "checkpoints", self.shard_bytes),
+            sender=DiskSender(Path(workdir) / "checkpoints", bucket_bytes or self.shard_bytes),
             receiver_path="harness.paths.disk:DiskReceiver",
             n_receivers=n_receivers,
             spec=spec,

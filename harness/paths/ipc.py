@@ -254,13 +254,14 @@ class IpcBackend(Backend):
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.capabilities = Capabilities(ipc=True, multi_receiver=True, max_receivers=8, gpu=device != "cpu",
-                                         interposable=device == "cpu")
+                                         interposable=device == "cpu", buckets=True)
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None):
+    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
+               bucket_bytes: int | None = None):
         from harness.launch import RankDeployment
 
         return RankDeployment(
-            sender=IpcSender(self.device, self.bucket_bytes),
+            sender=IpcSender(self.device, bucket_bytes or self.bucket_bytes),
             receiver_path="harness.paths.ipc:IpcReceiver",
             n_receivers=n_receivers,
             spec=spec,

@@ -13,6 +13,7 @@ from harness.paths import delta_codec
 from harness.paths.broadcast import BroadcastBackend, BroadcastSender
 from harness.paths.delta import DeltaBackend, DeltaSender
 from harness.paths.disk import DiskBackend, DiskSender
+from harness.paths.ipc import TOKEN_BYTES, IpcBackend, IpcSender
 
 
 class SignLosingSender(DiskSender):
@@ -27,8 +28,8 @@ class SignLosingSender(DiskSender):
 class SignLosingBackend(DiskBackend):
     name = "broken-sign"
 
-    def deploy(self, n_receivers, spec, workdir, engine=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine)
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
         broken = SignLosingSender(dep.sender.root)
         broken._run = dep.sender._run
         dep.sender = broken
@@ -47,8 +48,8 @@ class LeakySender(DiskSender):
 class LeakyBackend(DiskBackend):
     name = "broken-leaky"
 
-    def deploy(self, n_receivers, spec, workdir, engine=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine)
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
         dep.sender.__class__ = LeakySender  # same state, leaky behaviour
         return dep
 
@@ -96,8 +97,8 @@ class PartialCommitBackend(DiskBackend):
 
     name = "broken-partial-commit"
 
-    def deploy(self, n_receivers, spec, workdir, engine=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine)
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
         for h in dep.handles:
             h.receiver = _SwallowingReceiver(h.receiver)
         return dep
@@ -108,8 +109,8 @@ class NoRestartBackend(DiskBackend):
 
     name = "broken-no-restart"
 
-    def deploy(self, n_receivers, spec, workdir, engine=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine)
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
         dep._restart_unhealthy = lambda: False
         return dep
 
@@ -119,8 +120,8 @@ class IgnoredTimeoutBackend(DiskBackend):
 
     name = "broken-ignored-timeout"
 
-    def deploy(self, n_receivers, spec, workdir, engine=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine)
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
         for r in dep.ranks:
             r.timeout = 10.0  # the defect under test: the declared timeout_s stays what it was
         return dep
@@ -150,7 +151,7 @@ class NoRetryControlBackend(ControlBackend):
 
     name = "broken-no-retry-control"
 
-    def deploy(self, n_receivers, spec, workdir, engine=None):
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
         return _NoRetryControlDeployment(n_receivers, spec, workdir, engine, self.timeout_s)
 
 
@@ -176,8 +177,8 @@ class ValueDiffDeltaBackend(DeltaBackend):
         super().__init__("broadcast")
         self.name = "broken-value-diff-delta"
 
-    def deploy(self, n_receivers, spec, workdir, engine=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine)
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
         dep.sender.__class__ = _ValueDiffDeltaSender
         return dep
 
@@ -207,3 +208,28 @@ class NeedlessCopyBroadcastBackend(BroadcastBackend):
 
 def make_needless_copy_broadcast_backend():
     return NeedlessCopyBroadcastBackend()
+
+
+class _TailLosingIpcSender(IpcSender):
+    """Copies at most `bucket_bytes` of a bucket into its segment: a tensor larger than a bucket (which
+    gets a bucket of its own) arrives with a zeroed tail. No payload of the old suite was that large."""
+
+    def prepare(self, version, named_tensors):
+        info = super().prepare(version, named_tensors)
+        for shm, ref in zip(self._segments, info["buffers"], strict=False):
+            if ref["size"] > self.bucket_bytes:
+                shm.buf[TOKEN_BYTES + self.bucket_bytes : TOKEN_BYTES + ref["size"]] = bytes(ref["size"] - self.bucket_bytes)
+        return info
+
+
+class TailLosingIpcBackend(IpcBackend):
+    name = "broken-tail-losing-ipc"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        dep.sender.__class__ = _TailLosingIpcSender
+        return dep
+
+
+def make_tail_losing_ipc_backend():
+    return TailLosingIpcBackend()

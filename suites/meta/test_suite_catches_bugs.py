@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from suites.conformance.test_buckets import BUCKET_SIZES
+
 pytest_plugins = ["pytester"]
 
 
@@ -77,3 +79,15 @@ def test_suite_fails_a_delta_that_compares_values_not_bits(pytester):
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 3, f"expected a failure per float dtype, got {outcomes}"
     assert outcomes.get("passed", 0) == 0, outcomes
+
+
+def test_suite_fails_a_path_that_cuts_buckets_larger_than_its_unit(pytester):
+    """The bucket test bites where the old payloads could not: they never held a tensor larger than a
+    bucket, so a sender that copies at most `bucket_bytes` of one passed the bitwise tests."""
+    broken = "--weightsync-backend=suites.meta.broken:make_tail_losing_ipc_backend"
+    old = _run(pytester, broken, "--weightsync-receivers=1", "-k", "test_many_tensors_across_buckets")
+    assert old.parseoutcomes().get("passed", 0) == 1, old.parseoutcomes()
+    new = _run(pytester, broken, "--weightsync-receivers=1", "-k", "test_payload_spanning_many_buckets")
+    outcomes = new.parseoutcomes()
+    assert outcomes.get("failed", 0) == len(BUCKET_SIZES), f"expected a failure per bucket size, got {outcomes}"
+    assert "digest" in new.stdout.str(), new.stdout.str()[-2000:]
