@@ -31,8 +31,8 @@ def _flip_bits(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
 
 
 @pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)
-@settings(max_examples=max(1, settings().max_examples // 4), suppress_health_check=[HealthCheck.large_base_example, HealthCheck.function_scoped_fixture,
-                                                  HealthCheck.too_slow, HealthCheck.data_too_large])  # 3+ buckets by design; a quarter of the profile's examples (each reloads engines)
+@settings(max_examples=max(1, settings().max_examples // 5), suppress_health_check=[HealthCheck.large_base_example, HealthCheck.function_scoped_fixture,
+                                                  HealthCheck.too_slow, HealthCheck.data_too_large])  # 3+ buckets by design; a fifth of the profile's examples (each reloads engines)
 @given(data=st.data())
 def test_payload_spanning_many_buckets_arrives_bitwise(deployment_with_buckets, backend, capabilities, bucket_bytes,
                                                       data, request, example_counter):

@@ -6,8 +6,6 @@ import json
 
 import pytest
 
-from suites.conformance.test_buckets import BUCKET_SIZES
-
 pytest_plugins = ["pytester"]
 
 
@@ -87,7 +85,7 @@ def test_suite_fails_a_path_that_cuts_buckets_larger_than_its_unit(pytester):
     broken = "--weightsync-backend=suites.meta.broken:make_tail_losing_ipc_backend"
     old = _run(pytester, broken, "--weightsync-receivers=1", "-k", "test_many_tensors_across_buckets")
     assert old.parseoutcomes().get("passed", 0) == 1, old.parseoutcomes()
-    new = _run(pytester, broken, "--weightsync-receivers=1", "-k", "test_payload_spanning_many_buckets")
+    new = _run(pytester, broken, "--weightsync-receivers=1", "-k", "test_payload_spanning_many_buckets and 1000")
     outcomes = new.parseoutcomes()
-    assert outcomes.get("failed", 0) == len(BUCKET_SIZES), f"expected a failure per bucket size, got {outcomes}"
+    assert outcomes.get("failed", 0) == 1, f"expected the unaligned bucket size to fail, got {outcomes}"
     assert "digest" in new.stdout.str(), new.stdout.str()[-2000:]
