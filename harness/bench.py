@@ -35,8 +35,6 @@ from fixtures.payloads import spec_of
 #: delta 0.22-0.29, delta-ipc 0.04-0.06; docs/performance.md). A row below its floor, or with #wrong > 0,
 #: fails; `weightsync certify --floor PATH=RATIO` / `--weightsync-floor` override one.
 CPU_FLOORS = {"disk": 0.6, "broadcast": 0.35, "delta": 0.12, "ipc": 0.07, "delta-ipc": 0.03}
-#: What issue 12 asks of the CPU paths (`--floor` values; see docs/performance.md for why ipc cannot).
-CPU_TARGETS = {"disk": 0.8, "broadcast": 0.8, "delta": 0.8, "ipc": 0.7, "delta-ipc": 0.7}
 GATED_FROM_BYTES = 64 << 20  # below, a fixed cost per sync (RPC, process wake-ups) dominates a 2-core host
 CEILING_REPEATS_PER_PUSH = 2
 DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
@@ -366,6 +364,11 @@ class SyncBench:
                        self.nbytes / total / 1e9, ceiling, wrong, floor=self.floor, changed=self.changed, steps=laps,
                        parts=_critical_parts(laps, at_prepare, ranks), sender=sender,
                        times_s=[s[0] for s in self._samples], ceiling_times_s=self._ceiling_times)
+
+
+def gate_failures(rows: list[SyncRow]) -> list[str]:
+    """The rows that fail the throughput gate, one line each (for a report's verdict)."""
+    return [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
 
 
 def parse_floors(specs: list[str], defaults: dict[str, float]) -> dict[str, float]:

@@ -8,8 +8,8 @@ import json
 import time
 from pathlib import Path
 
-from harness.bench import DEFAULT_CHANGED, SyncRow
-from harness.report import breakdown_table, environment, plot_breakdown, plot_throughput, throughput_table
+from harness.bench import DEFAULT_CHANGED, SyncRow, gate_failures
+from harness.report import environment, throughput_section
 
 
 def _plt():
@@ -136,7 +136,7 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
 def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str, generated_at: str | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
-    failed = [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
+    failed = gate_failures(rows)
     crossover_lines, crossover = crossover_table(rows)
     data = {"verdict": "FAIL" if failed else "PASS", "command": command, "environment": env,
             "generated_at": generated_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
@@ -146,18 +146,7 @@ def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str, generate
     md = [f"# weightsync bench: {data['verdict']}", "", f"- command: `{command}`",
           f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
           f"torch {env['torch']})", ""]
-    md += ["## Sync throughput", "", "Median full push (start, prepare, transfer, finish on every engine); ceiling "
-           "= the raw transport, two repeats before each push, the best kept; ratio = algbw / ceiling; a row of "
-           "64 MiB and up fails below its floor, and a ratio above 1.0 is unreliable (not passed).", ""]
-    md += throughput_table(gated)
-    if plot_throughput(gated, out_dir / "throughput.png"):
-        md += ["", "![throughput](throughput.png)"]
-    md += ["", "## Where the time goes", "", "ms of the median push: the trainer's prepare (digest, alloc, pack), "
-           "the slowest receiver's transfer (wire, unpack, verify), its commit, and other (the rest: RPC, locks, engine reads, Python between steps).", ""]
-    md += breakdown_table(gated)
-    fewest = min((r.receivers for r in gated), default=1)
-    if plot_breakdown([r for r in gated if r.receivers == fewest], out_dir / "breakdown.png"):
-        md += ["", f"![breakdown](breakdown.png) (bars: {fewest} receiver(s))"]
+    md += throughput_section(gated, out_dir) if gated else []
     rx = receivers_table(rows)
     if rx:
         md += ["", "## Against receivers", ""] + rx

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from harness.bench import SyncRow
+from harness.bench import SyncRow, gate_failures
 
 # test module -> the invariant of DESIGN.md it checks
 INVARIANTS: dict[str, str] = {
@@ -184,6 +184,28 @@ def throughput_table(rows: list[SyncRow]) -> list[str]:
     return lines
 
 
+def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
+    """The sync table with its gate and where the time goes, plots drawn into out_dir (certify and bench)."""
+    md = ["", "## Sync throughput", "",
+          "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
+          "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
+          "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
+          "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
+          "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).", ""]
+    md += throughput_table(rows)
+    if plot_throughput(rows, out_dir / "throughput.png"):
+        md += ["", "![throughput](throughput.png)"]
+    md += ["", "### Where the time goes", "",
+           "ms of the median push. Steps: what the trainer waits on. Parts: the critical path — the "
+           "trainer's prepare (digest, alloc, pack; wire when it writes files), the slowest receiver's "
+           "transfer (wire, unpack, verify) and commit; other is the rest (RPC, locks, engine reads, Python).", ""]
+    md += breakdown_table(rows)
+    fewest = min(r.receivers for r in rows)
+    if plot_breakdown([r for r in rows if r.receivers == fewest], out_dir / "breakdown.png"):
+        md += ["", f"![breakdown](breakdown.png) (bars: {fewest} receiver(s))"]
+    return md
+
+
 def breakdown_table(rows: list[SyncRow]) -> list[str]:
     """Where each row's median push went (ms): the steps the trainer waits on, and the critical path's parts."""
     from harness.bench import BAR_PARTS
@@ -245,13 +267,10 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
         "environment": env,
         "conformance": results,
         "throughput": [r.to_json() for r in rows],
-        "throughput_gate": {"failed": [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows
-                                       if not r.passed]},
+        "throughput_gate": {"failed": gate_failures(rows)},
         "faults": faults,
     }
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
-    has_plot = plot_throughput(rows, out_dir / "throughput.png")
-    has_bars = plot_breakdown(rows, out_dir / "breakdown.png")
 
     backends = list(results)
     mat = matrix(results)
@@ -294,22 +313,7 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
         md.append(f"| {b} | {sum(c.values())} | {c['passed']} | {c['failed'] + c['error']} | {c['not_supported']} | "
                   f"{c['skipped']} | {examples[b]} |")
     if rows:
-        md += ["", "## Sync throughput", "",
-               "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
-               "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
-               "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
-               "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
-               "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).", ""]
-        md += throughput_table(rows)
-        if has_plot:
-            md += ["", "![throughput](throughput.png)"]
-        md += ["", "### Where the time goes", "",
-               "ms of the median push. Steps: what the trainer waits on. Parts: the critical path — the "
-               "trainer's prepare (digest, alloc, pack; wire when it writes files), the slowest receiver's "
-               "transfer (wire, unpack, verify) and commit; other is the rest (RPC, locks, engine reads, Python).", ""]
-        md += breakdown_table(rows)
-        if has_bars:
-            md += ["", "![breakdown](breakdown.png)"]
+        md += throughput_section(rows, out_dir)
     if rows:
         md += ["", "## Cost model", "", "GPU-hours spent in sync = sync seconds × GPUs held × steps / 3600, "
                "for the largest payload measured per path, at 8 GPUs held and 1000 steps:", "",

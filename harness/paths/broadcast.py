@@ -9,6 +9,7 @@ stalled rank makes the others fail in bounded time.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import threading
 from collections.abc import Mapping
@@ -177,7 +178,7 @@ class BroadcastSender(Sender):
         failure: list[tuple[int, BaseException]] = []
 
         spare: list[torch.Tensor] = []  # two pack buffers, reused: bucket b is packed while b-1 is on the wire
-        packed = [0]
+        packed = itertools.count()
 
         def bucket(b: int, size: int) -> torch.Tensor:
             entries = manifest.bucket_entries(b)
@@ -185,8 +186,7 @@ class BroadcastSender(Sender):
             if (self.tap is None and t is not None and entries[0].nbytes == size and t.device == self.device
                     and t.is_contiguous()):
                 return as_bytes(t)  # a bucket that is one whole tensor goes on the wire as it is: no copy
-            slot = packed[0] % 2
-            packed[0] += 1
+            slot = next(packed) % 2
             if len(spare) <= slot:
                 spare.append(torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device))
             out = spare[slot][:size] if spare[slot].numel() >= size else torch.empty(size, dtype=torch.uint8, device=self.device)
