@@ -31,8 +31,8 @@ from fixtures.payloads import spec_of
 
 
 #: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
-#: about 40% under what a 2-core CI VM measures at 64 MiB (disk 0.8-1.0, broadcast 0.42-0.62, ipc 0.08-0.12,
-#: delta 0.22-0.29, delta-ipc 0.04-0.06; docs/performance.md). A row below its floor, or with #wrong > 0,
+#: about 40% under what a 2-core CI VM measures at 64 MiB (disk 0.8-1.0, broadcast 0.42-0.65, ipc 0.08-0.14,
+#: delta 0.14-0.29, delta-ipc 0.04-0.06; docs/performance.md). A row below its floor, or with #wrong > 0,
 #: fails; `weightsync certify --floor PATH=RATIO` / `--weightsync-floor` override one.
 CPU_FLOORS = {"disk": 0.6, "broadcast": 0.35, "delta": 0.12, "ipc": 0.07, "delta-ipc": 0.03}
 GATED_FROM_BYTES = 64 << 20  # below, a fixed cost per sync (RPC, process wake-ups) dominates a 2-core host

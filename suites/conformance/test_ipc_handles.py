@@ -11,7 +11,7 @@ import pytest
 from fixtures.payloads import random_like_spec
 from harness.api import TransferError
 from harness.deployment import push
-from harness.paths.ipc import live_segments
+from harness.paths.ipc import own_segments
 from harness.trainer import ReferenceTrainer
 from suites.conformance.helpers import assert_unchanged, snapshot
 
@@ -35,10 +35,10 @@ def _mapped_segments(pid: int) -> list[str]:
 def test_no_segment_fd_or_mapping_outlives_its_sync(deployment):
     trainer = ReferenceTrainer(deployment.handles[0].engine.weight_spec(), seed=21)
     push(deployment, *trainer.step())
-    segments, fds = live_segments(), _open_fds()
+    segments, fds = own_segments(), _open_fds()  # this trainer's: another job's segments are not this test's
     for _ in range(60):
         push(deployment, *trainer.step())
-    assert live_segments() == segments, f"segments left behind: {sorted(set(live_segments()) - set(segments))}"
+    assert own_segments() == segments, f"segments left behind: {sorted(set(own_segments()) - set(segments))}"
     assert _open_fds() <= fds, f"trainer process holds {_open_fds()} fds after 60 syncs, {fds} before"
     for rank in getattr(deployment, "ranks", []):
         assert not _mapped_segments(rank.pid), f"rank {rank.rank} still maps: {_mapped_segments(rank.pid)}"
