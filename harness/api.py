@@ -299,8 +299,26 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
-        """abort: in-flight requests end with finish_reason 'abort'; wait: return once in-flight
-        requests finished; keep: freeze them and continue after resume. New requests queue."""
+        """Stop serving until resume(). "In flight" means every request submitted and not finished,
+        whether running or still queued behind the engine's batch (never scheduled):
+        abort: each ends now with finish_reason 'abort' and the tokens it produced (none for a queued one);
+        wait: return once each finished, all on the committed version;
+        keep: freeze each where it is, its KV cache kept; after resume it continues from there with the
+        version committed meanwhile (the cache of its earlier tokens was computed with the old one).
+        Requests submitted while paused queue and run after resume."""
+
+    @property
+    def max_running_requests(self) -> int | None:
+        """How many requests the engine runs at once; more wait in its queue (vLLM's max_num_seqs).
+        None: unknown. The suites send more than this to exercise the queue."""
+        return None
+
+    def model_config(self) -> JSON | None:
+        """The Hugging Face config (config.json's contents, `model_type` included) of the model the
+        engine computes with, or None when it serves no such model. The suites run the pushed checkpoint
+        through a second implementation built from it (transformers) and score what the engine computes,
+        not only what it stores: a head derived at load time, a stale cache, a kept request's KV."""
+        return None
 
     @abc.abstractmethod
     def resume(self) -> None: ...

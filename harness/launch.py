@@ -89,6 +89,10 @@ class _RankServer:
             return e.weight_version, None
         if op == "weight_spec":
             return wire.spec_to_json(e.weight_spec()), None
+        if op == "model_config":
+            return e.model_config(), None
+        if op == "max_running_requests":
+            return e.max_running_requests, None
         if op == "read_weights":
             return None, e.read_weights()
         if op == "commit_weights":
@@ -386,6 +390,13 @@ class RemoteEngine(Engine):
 
     def read_weights(self) -> dict[str, torch.Tensor]:
         return self.rank.call("read_weights")
+
+    @property
+    def max_running_requests(self) -> int | None:
+        return self.rank.call("max_running_requests")
+
+    def model_config(self) -> JSON | None:
+        return self.rank.call("model_config")
 
     def commit_weights(self, tensors, version: int) -> None:
         self.rank.call("commit_weights", tensors=tensors, version=version)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from harness.api import ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities, Deployment
-from harness.registry import BUILTIN_BACKENDS, engine_capabilities, engine_path, resolve_backend
+from harness.registry import BUILTIN_BACKENDS, BUILTIN_ENGINES, engine_capabilities, engine_path, resolve_backend
 
 NOT_SUPPORTED = "NOT_SUPPORTED"
 UNKNOWN = "UNKNOWN"  # a fault cell whose outcome could not be established (the nemesis could not act)
@@ -45,12 +45,17 @@ settings.register_profile("stateful-ci", parent=settings.get_profile("ci"), stat
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+#: Engines whose tied-embedding sibling is 'reference-tied' (the auto choice of --weightsync-tied-engine)
+REFERENCE_ENGINES = frozenset({BUILTIN_ENGINES["reference"], BUILTIN_ENGINES["reference-bf16"]})
+
+
 @dataclasses.dataclass
 class Selection:
     """What this run tests: one or more backends, one engine factory, receiver counts."""
 
     backends: dict[str, Backend]
     engine: str
+    tied_engine: str
     receivers_option: str
     engine_caps: Capabilities = ENGINE_UNRESTRICTED
 
@@ -84,6 +89,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--weightsync-engine",
         default=os.environ.get("WEIGHTSYNC_ENGINE", "reference"),
         help="engine factory: 'reference', 'reference-tied', 'reference-bf16' or 'pkg.module:factory'",
+    )
+    group.addoption(
+        "--weightsync-tied-engine",
+        default=os.environ.get("WEIGHTSYNC_TIED_ENGINE", "auto"),
+        help="engine factory serving a model with tied input/output embeddings, for the tied-head checks "
+        "(auto: 'reference-tied' beside the reference engines; else the engine under test, NOT_SUPPORTED "
+        "unless its model is tied)",
     )
     group.addoption(
         "--weightsync-receivers",
@@ -143,7 +155,11 @@ def _selection(config: pytest.Config) -> Selection:
         names = [n.strip() for n in config.getoption("--weightsync-backend").split(",") if n.strip()]
         backends = {n: resolve_backend(n) for n in names}  # raises BackendError with a specific message
         engine = engine_path(config.getoption("--weightsync-engine"))
-        sel = Selection(backends, engine, config.getoption("--weightsync-receivers"), engine_capabilities(engine))
+        tied = config.getoption("--weightsync-tied-engine")
+        if tied == "auto":
+            tied = "reference-tied" if engine in REFERENCE_ENGINES else engine
+        sel = Selection(backends, engine, engine_path(tied), config.getoption("--weightsync-receivers"),
+                        engine_capabilities(engine))
         config._weightsync_selection = sel  # type: ignore[attr-defined]
     return sel
 
@@ -180,7 +196,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         caps = json.dumps(sel.capabilities(name).describe(), sort_keys=True)
         lines.append(f"weightsync: backend={name} ({type(b).__module__}.{type(b).__name__}) receivers={sel.receivers(name)}")
         lines.append(f"weightsync:   capabilities={caps}")
-    lines.append(f"weightsync: engine={sel.engine} hypothesis profile={settings._current_profile}")  # noqa: SLF001
+    lines.append(f"weightsync: engine={sel.engine} tied-engine={sel.tied_engine} "
+                 f"hypothesis profile={settings._current_profile}")  # noqa: SLF001
     if sel.engine_caps is not ENGINE_UNRESTRICTED:
         lines.append(f"weightsync:   engine limits={json.dumps(sel.engine_caps.describe(), sort_keys=True)} "
                      "(capabilities above are what backend and engine both claim)")
@@ -226,18 +243,23 @@ class DeploymentPool:
         self.workdir = workdir
         self._deployments: dict[tuple[str, int], Deployment] = {}
 
-    def workdir_of(self, name: str, n: int, bucket_bytes: int | None = None) -> Path:
-        """The working directory the deployment of (backend, receiver count[, bucket size]) was given."""
+    def workdir_of(self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None) -> Path:
+        """The working directory the deployment of (backend, receiver count[, bucket size][, engine]) was given."""
         suffix = f"-{bucket_bytes}B" if bucket_bytes else ""
+        if engine not in (None, self.sel.engine):
+            suffix += "-" + engine.rpartition(":")[2]
         return self.workdir / f"{name.replace(':', '_').replace('/', '_')}-{n}rx{suffix}"
 
-    def get(self, name: str, n: int, bucket_bytes: int | None = None) -> Deployment:
-        key = (name, n, bucket_bytes)
+    def get(self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None) -> Deployment:
+        """The deployment of backend `name` with n receivers (optionally in units of `bucket_bytes`, or
+        with another engine factory than the one under test)."""
+        engine = engine or self.sel.engine
+        key = (name, n, bucket_bytes, engine)
         if key not in self._deployments:
-            wd = self.workdir_of(name, n, bucket_bytes)
+            wd = self.workdir_of(name, n, bucket_bytes, engine)
             wd.mkdir(parents=True, exist_ok=True)
             extra = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}  # only backends claiming `buckets`
-            self._deployments[key] = self.sel.backends[name].deploy(n, None, str(wd), engine=self.sel.engine, **extra)
+            self._deployments[key] = self.sel.backends[name].deploy(n, None, str(wd), engine=engine, **extra)
         return self._deployments[key]
 
     def close(self) -> None:
@@ -297,6 +319,19 @@ def deployment_with_buckets(deployment_pool: DeploymentPool, ws_target, capabili
         return dep
 
     return make
+
+
+@pytest.fixture
+def tied_deployment(deployment_pool: DeploymentPool, selection: Selection, ws_target) -> Deployment:
+    """A deployment of the backend under test into engines serving a model with tied input/output
+    embeddings (--weightsync-tied-engine), fresh at version 0."""
+    dep = deployment_pool.get(*ws_target, engine=selection.tied_engine)
+    dep.reset(None)
+    config = dep.handles[0].engine.model_config() or {}
+    if not config.get("tie_word_embeddings"):
+        pytest.skip(f"{NOT_SUPPORTED}: engine {selection.tied_engine!r} serves no model with tied embeddings "
+                    "(name one with --weightsync-tied-engine)")
+    return dep
 
 
 @pytest.fixture

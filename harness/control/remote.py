@@ -58,11 +58,25 @@ class RemoteReceiver(Receiver):
 
 class RemoteEngine(Engine):
     """An engine behind a control server. The oracle is not served over HTTP: pass `oracle` (e.g. the
-    in-process engine's read_weights) when the test can reach the engine by another way."""
+    in-process engine's read_weights), or `direct` (the same engine reached another way, e.g. a rank's
+    pipe, which also answers model_config and max_running_requests), when the test can reach it."""
 
-    def __init__(self, client: ControlClient, oracle: Callable[[], dict[str, torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        client: ControlClient,
+        oracle: Callable[[], dict[str, torch.Tensor]] | None = None,
+        direct: Engine | None = None,
+    ):
         self.client = client
-        self._oracle = oracle
+        self._oracle = oracle or (direct.read_weights if direct is not None else None)
+        self._direct = direct
+
+    @property
+    def max_running_requests(self) -> int | None:
+        return self._direct.max_running_requests if self._direct is not None else None
+
+    def model_config(self) -> JSON | None:
+        return self._direct.model_config() if self._direct is not None else None
 
     @property
     def weight_version(self) -> int:

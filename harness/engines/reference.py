@@ -115,6 +115,13 @@ class ReferenceEngine(Engine):
         with self._priority():
             return self._paused
 
+    @property
+    def max_running_requests(self) -> int:
+        return self.max_batch
+
+    def model_config(self) -> dict:
+        return tiny_lm.hf_config(self.config)
+
     def read_weights(self) -> dict[str, torch.Tensor]:
         with self._priority():
             return {n: t.clone() for n, t in tiny_lm.unfuse(self._live, self.config).items()}

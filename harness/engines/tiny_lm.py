@@ -62,6 +62,29 @@ def checkpoint_spec(cfg: ModelConfig) -> dict[str, TensorSpec]:
     return spec
 
 
+def hf_config(cfg: ModelConfig) -> dict:
+    """The same model as a Hugging Face Llama config: transformers computes what this module does
+    (an independent implementation for the suites to score the engine against)."""
+    return {
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+    }
+
+
 def init_checkpoint(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Seeded random weights by checkpoint name (norm weights near 1, matrices ~ N(0, 0.02))."""
     gen = torch.Generator().manual_seed(seed)
@@ -159,5 +182,6 @@ def forward(
         gate, up = torch.split(h @ live[p + "mlp.gate_up_proj.weight"].T, cfg.intermediate_size, dim=-1)
         x = x + (F.silu(gate) * up) @ live[p + "mlp.down_proj.weight"].T
     x = _rms_norm(x[-1:], live["model.norm.weight"], cfg.rms_eps)
-    head = live["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    # a tied model computes with its embedding, unless an engine materialised a head of its own
+    head = live["lm_head.weight"] if "lm_head.weight" in live else live["model.embed_tokens.weight"]
     return (x @ head.T)[0].float(), new_cache

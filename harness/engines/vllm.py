@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import itertools
+import json
 import os
 import re
 import shutil
@@ -125,6 +126,7 @@ class VllmEngine(Engine, abc.ABC):
 
     form: str = "?"
     owns_workdir = False  # remove the workdir at shutdown (engines made by make_engine)
+    max_num_seqs: int | None = None  # set by each form from its launch settings
 
     def __init__(self, model_dir: str | os.PathLike, workdir: str | os.PathLike):
         self.model_dir = Path(model_dir)
@@ -134,6 +136,14 @@ class VllmEngine(Engine, abc.ABC):
         self._layout: FusedLayout | None = None
         self._reads = itertools.count()
         self._commit_sender: DiskSender | None = None
+
+    @property
+    def max_running_requests(self) -> int | None:
+        return self.max_num_seqs
+
+    def model_config(self) -> JSON:
+        with open(self.model_dir / "config.json") as f:
+            return json.load(f)
 
     # ------------------------------------------------------------------ control plane (per form)
     @abc.abstractmethod
@@ -347,6 +357,7 @@ class InProcessVllm(VllmEngine):
         seed: int = 0,
     ):
         super().__init__(model_dir, workdir)
+        self.max_num_seqs = max_num_seqs
         # One process: the engine core runs in this thread's process and the worker is reachable.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -180,6 +180,7 @@ class ServerVllm(VllmEngine):
 
     def __init__(self, model_dir: str | os.PathLike, workdir: str | os.PathLike, **server_options: Any):
         super().__init__(model_dir, workdir)
+        self.max_num_seqs = server_options.get("max_num_seqs", 8)  # VllmServerProcess's default
         self.server = VllmServerProcess(model_dir, workdir, **server_options)
         self.server.start()
         # A route that raises makes uvicorn drop the connection after its 500: no keep-alive reuse.

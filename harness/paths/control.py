@@ -27,6 +27,7 @@ from harness.control.client import ControlClient, Timeouts
 from harness.control.remote import RemoteEngine as HttpEngine
 from harness.control.remote import RemoteReceiver as HttpReceiver
 from harness.launch import RankDeployment, RankProcess
+from harness.launch import RemoteEngine as RankEngine
 from harness.paths.disk import DiskSender
 
 
@@ -97,7 +98,7 @@ class ControlDeployment(RankDeployment):
         url = rank.call("serve_control", token=self._token, allowed_dirs=[str(self._root)])
         client = ControlClient(url, token=self._token, timeouts=self._timeouts, retries=1, retry_timeouts=False)
         self._clients.append(client)
-        return EngineHandle(SupervisedHttpReceiver(client, rank), HttpEngine(client, oracle=lambda: rank.call("read_weights")))
+        return EngineHandle(SupervisedHttpReceiver(client, rank), HttpEngine(client, direct=RankEngine(rank)))
 
     def reset(self, spec: WeightSpec | None = None) -> None:
         """Fresh engines: every rank is restarted (a server holds its engine for its lifetime)."""

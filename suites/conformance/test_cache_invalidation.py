@@ -1,7 +1,10 @@
 """Invariant 4: after finish, output equals a fresh engine loaded with the new weights.
 
 The prompt is served once before the update so that whatever the engine caches (prefix KV) holds
-results of the old weights; an engine that keeps serving them after the commit fails here.
+results of the old weights; an engine that keeps serving them after the commit fails here. Under
+traffic (requests in flight across the update, paused with wait or keep) new requests are scored against
+an independent forward of the new checkpoint: a kept request's KV was computed with the old weights, and
+an engine that caches it as prefix blocks after the commit serves it to the next request.
 """
 
 from __future__ import annotations
@@ -11,6 +14,14 @@ import pytest
 from fixtures.payloads import random_like_spec
 from harness.api import GenerationRequest
 from harness.deployment import push
+from suites.conformance.helpers import (
+    PREFIX_BLOCKS,
+    assert_computes_like,
+    independent_forward,
+    kept_in_flight,
+    requests_in_flight,
+    rerun_hint,
+)
 
 pytestmark = pytest.mark.single_receiver
 
@@ -51,3 +62,33 @@ def test_old_and_new_versions_produce_different_output(deployment):
     push(deployment, 1, random_like_spec(engine.weight_spec(), seed=42))
     after = _greedy(engine, "v1")
     assert before.token_ids != after.token_ids, "version 0 and 1 produce identical tokens; pick another seed"
+
+
+@pytest.mark.requires("pause_modes")
+@pytest.mark.parametrize("mode", ["wait", "keep"])
+def test_new_requests_after_an_update_under_traffic_compute_with_the_new_weights(deployment, mode, request):
+    engine = deployment.handles[0].engine
+    _greedy(engine, "warm")  # the prompt's prefix cached under version 0
+    if mode == "keep":
+        streams, frozen, _ = kept_in_flight(engine, prompt=PROMPT)
+    else:
+        streams = requests_in_flight(engine, tokens=1, prompt=PROMPT)
+        engine.pause("wait")
+        frozen = [s.token_count for s in streams]
+    new = random_like_spec(engine.weight_spec(), seed=42)
+    push(deployment, 1, new)
+    engine.resume()
+    first = streams[0].result(timeout=120)
+    for s in streams[1:]:
+        s.result(timeout=120)
+    # Prompts whose prefixes were computed under version 0: the warmed prompt, a part of it, and the
+    # first in-flight request's own sequence up to where the pause caught it (its KV is version 0's).
+    sequence = [*PROMPT, *first.token_ids]
+    old_positions = len(PROMPT) + frozen[0] - 1
+    cuts = sorted({old_positions // block * block for block in PREFIX_BLOCKS if old_positions >= block})
+    prompts = [PROMPT, PROMPT[: 2 * PREFIX_BLOCKS[0] + 1], *(tuple(sequence[: n + 1]) for n in cuts)]
+    fwd = independent_forward(engine, new)
+    for i, prompt in enumerate(prompts):
+        (c,) = engine.generate([GenerationRequest(f"after-{mode}-{i}", prompt, 12)])
+        assert_computes_like(fwd, c, prompt, f"new request after an update under pause({mode}) traffic "
+                             "(stale KV from version 0 served?)", rerun_hint(request))

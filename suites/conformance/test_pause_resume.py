@@ -7,35 +7,21 @@ Nothing is lost: every request sent ends completed or aborted.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from fixtures.payloads import random_like_spec
-from harness.api import GenerationRequest
 from harness.deployment import push
+from harness.pytest_plugin import NOT_SUPPORTED
+from suites.conformance.helpers import (
+    ABORTED_LEN,
+    KEPT_LEN,
+    LONG,
+    kept_in_flight,
+    pause_request,
+    requests_in_flight,
+)
 
 pytestmark = [pytest.mark.single_receiver, pytest.mark.requires("pause_modes")]
-
-LONG = 48  # tokens of a request that is expected to run to its end
-# Requests that must still be running when pause arrives: an engine in another process runs ahead
-# of what the caller has seen, so they are long enough for any engine to be caught mid-way.
-ABORTED_LEN = 4096
-KEPT_LEN = 512
-_ids = itertools.count()
-
-
-def _request(max_tokens=LONG, prompt=(3, 1, 4, 1, 5, 9, 2, 6)):
-    return GenerationRequest(f"pause-{next(_ids)}", prompt, max_tokens)
-
-
-def _in_flight(engine, n=2, tokens=2, max_tokens=LONG):
-    """n streaming requests that have each produced at least `tokens` tokens."""
-    streams = [engine.submit(_request(max_tokens)) for _ in range(n)]
-    for s in streams:
-        assert s.wait_for_tokens(tokens, timeout=60), f"request {s.request.request_id} produced no tokens"
-    return streams
-
 
 def _new_version(deployment, version):
     push(deployment, version, random_like_spec(deployment.handles[0].engine.weight_spec(), seed=version))
@@ -47,7 +33,7 @@ def _versions(c):
 
 def test_abort_ends_in_flight_with_partial_output(deployment, backend):
     engine = deployment.handles[0].engine
-    streams = _in_flight(engine, max_tokens=ABORTED_LEN)
+    streams = requests_in_flight(engine, max_tokens=ABORTED_LEN)
     engine.pause("abort")
     assert engine.is_paused
     results = [s.result(timeout=30) for s in streams]
@@ -55,7 +41,7 @@ def test_abort_ends_in_flight_with_partial_output(deployment, backend):
         assert c.finish_reason == "abort", f"{c.request_id}: finish_reason {c.finish_reason!r}, expected 'abort'"
         assert 2 <= len(c.token_ids) < ABORTED_LEN, f"{c.request_id}: {len(c.token_ids)} tokens; expected partial output"
         assert _versions(c) == [0], f"{c.request_id}: aborted request saw versions {_versions(c)}"
-    queued = engine.submit(_request(8))  # arrives while paused: must wait for resume
+    queued = engine.submit(pause_request(8))  # arrives while paused: must wait for resume
     _new_version(deployment, 1)
     assert not queued.done, "a request sent while paused finished before resume"
     engine.resume()
@@ -67,7 +53,7 @@ def test_abort_ends_in_flight_with_partial_output(deployment, backend):
 
 def test_wait_lets_in_flight_finish_on_the_old_version(deployment, backend):
     engine = deployment.handles[0].engine
-    streams = _in_flight(engine, tokens=1)
+    streams = requests_in_flight(engine, tokens=1)
     engine.pause("wait")  # returns only once the in-flight requests are done
     assert all(s.done for s in streams), "pause(wait) returned while requests were still running"
     _new_version(deployment, 1)
@@ -79,27 +65,9 @@ def test_wait_lets_in_flight_finish_on_the_old_version(deployment, backend):
         assert _versions(c) == [0], f"{c.request_id}: spans versions {_versions(c)} under pause(wait)"
 
 
-def _kept_in_flight(engine):
-    """Requests caught mid-way by pause(keep): (streams, tokens each had at the pause, max_tokens). A fast
-    engine can finish a request between the caller seeing its first tokens and the pause landing; then
-    nothing is left to continue on the new version, and the scenario is run again with longer requests
-    (within a 4096-token context: a prompt of 8 and 3584 new tokens fit)."""
-    for max_tokens in (KEPT_LEN, 4 * KEPT_LEN, 7 * KEPT_LEN):
-        streams = _in_flight(engine, max_tokens=max_tokens)
-        engine.pause("keep")
-        frozen = [s.token_count for s in streams]
-        if all(f < max_tokens for f in frozen):
-            return streams, frozen, max_tokens
-        engine.resume()  # one finished before the pause: let the rest run out, and try longer ones
-        for s in streams:
-            s.result(timeout=120)
-    pytest.fail(f"every attempt: a request of up to {max_tokens} tokens finished before pause(keep) landed "
-                f"(tokens at the pause: {frozen})")
-
-
 def test_keep_freezes_and_continues_on_the_new_version(deployment, backend):
     engine = deployment.handles[0].engine
-    streams, frozen, max_tokens = _kept_in_flight(engine)
+    streams, frozen, max_tokens = kept_in_flight(engine)
     _new_version(deployment, 1)
     engine.resume()
     for s, at_pause in zip(streams, frozen):
@@ -121,10 +89,10 @@ def test_keep_freezes_and_continues_on_the_new_version(deployment, backend):
 def test_nothing_is_lost(deployment, mode):
     """sent = completed + aborted, counted, across a pause, an update and a resume."""
     engine = deployment.handles[0].engine
-    sent = [engine.submit(_request(LONG if i % 2 else 6)) for i in range(6)]
+    sent = [engine.submit(pause_request(LONG if i % 2 else 6)) for i in range(6)]
     sent[0].wait_for_tokens(1, timeout=60)
     engine.pause(mode)
-    sent += [engine.submit(_request(6)) for _ in range(3)]
+    sent += [engine.submit(pause_request(6)) for _ in range(3)]
     _new_version(deployment, 1)
     engine.resume()
     results = [s.result(timeout=60) for s in sent]
@@ -144,7 +112,7 @@ def test_nothing_is_lost(deployment, mode):
 def test_abort_by_id_ends_only_that_request(deployment):
     engine = deployment.handles[0].engine
     try:
-        victim, bystander = _in_flight(engine, n=2, max_tokens=ABORTED_LEN)
+        victim, bystander = requests_in_flight(engine, n=2, max_tokens=ABORTED_LEN)
         assert engine.abort_requests([victim.request.request_id, "no-such-request"]) == 1
     except NotImplementedError:
         pytest.skip("NOT_SUPPORTED: the engine cannot abort requests by id")
@@ -156,3 +124,42 @@ def test_abort_by_id_ends_only_that_request(deployment):
     engine.pause("abort")  # end the bystander; nothing else may be left running
     engine.resume()
     assert bystander.result(timeout=30).finish_reason in ("abort", "length")
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
+    """More requests than the engine runs at once: the queued, never-scheduled ones are in flight too.
+    abort ends every one (partial output, none for the queued); wait finishes every one on the old
+    version before it returns; keep loses none, each old-then-new."""
+    engine = deployment.handles[0].engine
+    limit = engine.max_running_requests
+    if limit is None:
+        pytest.skip(f"{NOT_SUPPORTED}: the engine does not say how many requests it runs at once")
+    max_tokens = {"abort": ABORTED_LEN, "wait": LONG, "keep": KEPT_LEN}[mode]
+    streams = [engine.submit(pause_request(max_tokens, (3, 1, 4, i % 7 + 1))) for i in range(2 * limit + 1)]
+    assert streams[0].wait_for_tokens(1, timeout=60), "the first request produced no tokens"
+    engine.pause(mode)
+    frozen = [s.token_count for s in streams]
+    if mode == "wait":
+        unfinished = [s.request.request_id for s in streams if not s.done]
+        assert not unfinished, f"pause(wait) returned with {len(unfinished)} of {len(streams)} requests unfinished"
+    _new_version(deployment, 1)
+    engine.resume()
+    results = [s.result(timeout=120) for s in streams]
+    outcome = [(c.finish_reason, len(c.token_ids)) for c in results]
+    context = f"pause({mode}) with {len(streams)} requests, {limit} run at once"
+    if mode == "abort":
+        assert all(c.finish_reason == "abort" for c in results), f"{context}: (finish, tokens) {outcome}"
+        assert all(len(c.token_ids) < max_tokens and _versions(c) in ([], [0]) for c in results), (
+            f"{context}: a request ran on after pause(abort): {outcome}")
+        return
+    assert all(c.finish_reason == "length" and len(c.token_ids) == max_tokens for c in results), (
+        f"{context}: every request must run to its end, (finish, tokens): {outcome}")
+    for c, at_pause in zip(results, frozen):
+        if mode == "wait":
+            assert _versions(c) == [0], f"{context}: {c.request_id} spans versions {_versions(c)}"
+        else:
+            n_old = c.token_versions.count(0)
+            assert c.token_versions == [0] * n_old + [1] * (max_tokens - n_old) and n_old == at_pause, (
+                f"{context}: {c.request_id} had {at_pause} tokens at the pause, token versions "
+                f"{c.token_versions[:at_pause + 3]}...: not old-until-the-pause then new")

@@ -7,7 +7,9 @@ import os
 
 import torch
 
-from harness.engines.reference import ReferenceEngine
+from harness.engines import tiny_lm
+from harness.engines.reference import PREFIX_BLOCK, ReferenceEngine
+from harness.engines.tiny_lm import ModelConfig
 from harness.paths.control import ControlBackend, ControlDeployment
 from harness.paths import delta_codec
 from harness.paths.broadcast import BroadcastBackend, BroadcastSender
@@ -61,6 +63,88 @@ class StaleCacheEngine(ReferenceEngine):
         cache = dict(self._prefix_cache)
         super().commit_weights(tensors, version)
         self._prefix_cache.update(cache)
+
+
+class StaleTiedHeadEngine(ReferenceEngine):
+    """A tied model whose output head is materialised from the embedding once, at load (as a CPU kernel
+    repack does), and never again: it stores every pushed embedding, but computes with the first."""
+
+    def __init__(self, extra=None):
+        super().__init__(ModelConfig(tie_word_embeddings=True), extra=extra)
+        self._live["lm_head.weight"] = self._live["model.embed_tokens.weight"].clone()  # carried by every commit
+
+    def read_weights(self):
+        weights = super().read_weights()
+        weights.pop("lm_head.weight")  # read back by checkpoint name: the stale head is invisible
+        return weights
+
+
+class DecodeBlockCachingEngine(ReferenceEngine):
+    """Caches the prefix blocks a request fills while decoding (as vLLM does), keyed by tokens only: a
+    request kept across an update registers blocks whose KV the old weights computed, after the commit
+    cleared the cache, and the next request with that prefix is served them."""
+
+    def _step(self):
+        super()._step()
+        for r in self._running:
+            if r.cache is not None:
+                filled = r.cache[0][0].shape[1]
+                for n in range(PREFIX_BLOCK, filled + 1, PREFIX_BLOCK):
+                    self._prefix_cache.setdefault(tuple(r.tokens[:n]), [(k[:, :n], v[:, :n]) for k, v in r.cache])
+
+
+class QueueBlindPauseEngine(ReferenceEngine):
+    """pause() reaches only the running batch: requests still queued behind it are neither aborted nor
+    waited for; they run after resume, on the new version."""
+
+    def pause(self, mode="abort", clear_cache=False):
+        with self._priority():
+            queued = list(self._waiting)
+            self._waiting.clear()
+        super().pause(mode, clear_cache)
+        with self._priority():
+            self._waiting.extendleft(reversed(queued))
+
+
+class DeferredSwapEngine(ReferenceEngine):
+    """Reports the new version at commit, but computes with the old weights until the requests in flight
+    at the commit have finished: a kept request finishes on the old weights, stamped with the new version."""
+
+    _pinned: frozenset = frozenset()
+
+    def commit_weights(self, tensors, version):
+        with self._priority():
+            old, pinned = self._live, frozenset(id(r) for r in [*self._running, *self._waiting])
+        super().commit_weights(tensors, version)
+        with self._priority():
+            if pinned:
+                self._next_live, self._live, self._pinned = self._live, old, pinned
+
+    def read_weights(self):
+        with self._priority():
+            live = self._next_live if self._pinned else self._live
+            return {n: t.clone() for n, t in tiny_lm.unfuse(live, self.config).items()}
+
+    def _step(self):
+        super()._step()
+        if self._pinned and not any(id(r) in self._pinned for r in [*self._running, *self._waiting]):
+            self._live, self._pinned = self._next_live, frozenset()
+
+
+def make_stale_tied_head_engine(spec=None):
+    return StaleTiedHeadEngine(extra=spec)
+
+
+def make_decode_block_caching_engine(spec=None):
+    return DecodeBlockCachingEngine(extra=spec)
+
+
+def make_queue_blind_pause_engine(spec=None):
+    return QueueBlindPauseEngine(extra=spec)
+
+
+def make_deferred_swap_engine(spec=None):
+    return DeferredSwapEngine(extra=spec)
 
 
 def make_sign_losing_backend():

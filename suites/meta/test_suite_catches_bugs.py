@@ -89,3 +89,44 @@ def test_suite_fails_a_path_that_cuts_buckets_larger_than_its_unit(pytester):
     outcomes = new.parseoutcomes()
     assert outcomes.get("failed", 0) == 1, f"expected the unaligned bucket size to fail, got {outcomes}"
     assert "digest" in new.stdout.str(), new.stdout.str()[-2000:]
+
+
+def _engine_run(pytester, engine, k, *extra):
+    return _run(pytester, "--weightsync-backend=disk", "--weightsync-receivers=1", f"--weightsync-engine={engine}",
+                "-k", k, *extra)
+
+
+def test_suite_fails_a_tied_head_that_keeps_the_embedding_it_was_loaded_with(pytester):
+    broken = "suites.meta.broken:make_stale_tied_head_engine"
+    result = _engine_run(pytester, broken, "tied_head or full_model_update", f"--weightsync-tied-engine={broken}")
+    outcomes = result.parseoutcomes()
+    # read back by name the weights are right; computed, they are not
+    assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) >= 1, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*_ test_tied_head_computes_with_the_pushed_embedding*",
+                                 "*does not compute like an independent forward*"])
+
+
+def test_suite_fails_an_engine_that_caches_a_kept_requests_old_kv_after_the_update(pytester):
+    result = _engine_run(pytester, "suites.meta.broken:make_decode_block_caching_engine",
+                         "fresh_engine or under_traffic")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) == 2, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*_ test_new_requests_after_an_update_under_traffic*keep*",
+                                 "*stale KV from version 0 served?*"])
+
+
+def test_suite_fails_a_pause_that_misses_queued_requests(pytester):
+    result = _engine_run(pytester, "suites.meta.broken:make_queue_blind_pause_engine", "pause or keep or wait")
+    outcomes = result.parseoutcomes()
+    # every pause test that keeps within the batch passes; abort and wait with a queue fail
+    assert outcomes.get("failed", 0) == 2 and outcomes.get("passed", 0) >= 5, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*_ test_pause_reaches_requests_queued_behind_the_batch*abort*",
+                                 "*_ test_pause_reaches_requests_queued_behind_the_batch*wait*"])
+
+
+def test_suite_fails_a_kept_request_that_finishes_on_the_old_weights(pytester):
+    result = _engine_run(pytester, "suites.meta.broken:make_deferred_swap_engine", "keep or kept")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 1, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*_ test_kept_requests_continue_as_an_independent_forward*",
+                                 "*the continuation matches instead: old*"])
