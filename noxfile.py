@@ -1,4 +1,5 @@
-"""nox sessions: `nox -s tests` (default tier), `nox -s vllm`, `nox -s certify` (the main job), `nox -s thorough`."""
+"""nox sessions: `nox -s tests` (default tier), `nox -s faults`, `nox -s meta`, `nox -s vllm`, `nox -s certify`
+(the main job), `nox -s thorough`."""
 
 import nox
 
@@ -8,16 +9,34 @@ nox.options.default_venv_backend = "venv"
 TORCH = "torch==2.13.0"  # CPU build; see pyproject.toml
 
 
-def _install(session: nox.Session, extras: str = "control") -> None:
+def _install(session: nox.Session, extras: str = "control,oracle") -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras}]")
 
 
+DEFAULT_TIER = "not slow and not vllm and not faults and not meta"
+
+
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The default tier CI runs: both reference paths, every conformance suite."""
+    """The default tier CI runs first: every built-in path through every conformance suite, the control
+    plane, the throughput gate."""
     _install(session)
-    session.run("pytest", "-m", "not slow and not vllm", *session.posargs)
+    session.run("pytest", "-m", DEFAULT_TIER, *session.posargs)
+
+
+@nox.session(python="3.11")
+def faults(session: nox.Session) -> None:
+    """The fault matrix: every fault kind on every built-in path, one seed per cell."""
+    _install(session)
+    session.run("pytest", "-m", "faults and not slow", *session.posargs)
+
+
+@nox.session(python="3.11")
+def meta(session: nox.Session) -> None:
+    """The suites run against broken implementations: each must fail them."""
+    _install(session, "control,oracle,faults")
+    session.run("pytest", "-m", "meta and not slow", *session.posargs)
 
 
 @nox.session(python="3.11")

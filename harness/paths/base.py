@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from harness import phases
-from harness.api import JSON, Engine, ManifestMismatch, Receiver, WeightSyncError
+from harness.api import JSON, Engine, InPlaceLoad, ManifestMismatch, Receiver, WeightSyncError
 from harness.lifecycle import NEW, READY, UPDATING, Lifecycle
 from harness.manifest import Manifest, dtype_name
 
@@ -48,6 +48,8 @@ class StagingReceiver(Receiver, abc.ABC):
         self.engine = engine
         self._lc = Lifecycle()
         self._staged: dict[str, torch.Tensor] = {}
+        self._load: InPlaceLoad | None = None  # engines that load in place: the open load of this version
+        self._arrived: set[str] = set()  # names delivered for this version (staged or written in place)
         self._mutex = threading.Lock()
 
     @property
@@ -63,6 +65,10 @@ class StagingReceiver(Receiver, abc.ABC):
     def _reset(self, state: str) -> None:
         self._lc.to(state)
         self._staged = {}
+        self._arrived = set()
+        load, self._load = self._load, None
+        if load is not None:
+            load.rollback()  # an update that ends without a commit leaves the committed version, bit for bit
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: JSON) -> None:
@@ -86,7 +92,7 @@ class StagingReceiver(Receiver, abc.ABC):
                     self._lc.check_not_failed()
                     check_against_engine(self.engine, manifest)
                     self._lc.check_same_version(manifest.version)
-                    twice = sorted(set(manifest.names) & set(self._staged))
+                    twice = sorted(set(manifest.names) & self._arrived)
                     if twice:
                         raise ManifestMismatch(f"version {manifest.version}: tensor(s) {twice[:5]} sent twice")
                 except WeightSyncError as exc:
@@ -106,11 +112,20 @@ class StagingReceiver(Receiver, abc.ABC):
                         raise ManifestMismatch(f"version {manifest.version}: tensor {name!r} did not arrive")
                 manifest.verify_all({name: received[name] for name in manifest.names
                                      if name not in self.verified_in_transfer})
+                if self.engine.loads_in_place:  # streamed into the live weights now, as vLLM loads
+                    if self._load is None:
+                        self._load = self.engine.begin_in_place_load(manifest.version)
+                    self._load.write({name: received[name] for name in manifest.names})
             except WeightSyncError as exc:
                 self._lc.fail(exc)
                 self._staged = {}
+                load, self._load = self._load, None
+                if load is not None:
+                    load.rollback()
                 raise
-            self._staged.update(received)
+            if not self.engine.loads_in_place:
+                self._staged.update(received)
+            self._arrived.update(manifest.names)
             self._lc.accepted(manifest.version)
 
     def finish_weight_update(self, version: int) -> None:
@@ -119,7 +134,11 @@ class StagingReceiver(Receiver, abc.ABC):
             staged = self._staged
             try:
                 with phases.role("receiver"), phases.phase("commit"):
-                    self.engine.commit_weights(staged, version)
+                    if self._load is not None:
+                        self._load.commit()
+                        self._load = None
+                    else:
+                        self.engine.commit_weights(staged, version)
             finally:
                 self._reset(READY)
 

@@ -14,7 +14,6 @@ from harness.deployment import push
 from harness.pytest_plugin import NOT_SUPPORTED
 from suites.conformance.helpers import (
     ABORTED_LEN,
-    KEPT_LEN,
     LONG,
     kept_in_flight,
     pause_request,
@@ -135,11 +134,17 @@ def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
     limit = engine.max_running_requests
     if limit is None:
         pytest.skip(f"{NOT_SUPPORTED}: the engine does not say how many requests it runs at once")
-    max_tokens = {"abort": ABORTED_LEN, "wait": LONG, "keep": KEPT_LEN}[mode]
+    # abort: long enough that every request is still open at the pause; keep: a request that finished
+    # before the pause lands is fine (all its tokens on version 0), the queued ones are what matters
+    max_tokens = ABORTED_LEN if mode == "abort" else LONG
     streams = [engine.submit(pause_request(max_tokens, (3, 1, 4, i % 7 + 1))) for i in range(2 * limit + 1)]
     assert streams[0].wait_for_tokens(1, timeout=60), "the first request produced no tokens"
     engine.pause(mode)
     frozen = [s.token_count for s in streams]
+    context = f"pause({mode}) with {len(streams)} requests, {limit} run at once"
+    if mode == "abort":  # every one ends at the pause, not after resume
+        left = [s.request.request_id for s in streams if not s.wait_for_tokens(max_tokens, timeout=10) or not s.done]
+        assert not left, f"{context}: {len(left)} request(s) still open 10 s after pause(abort) returned: {left}"
     if mode == "wait":
         unfinished = [s.request.request_id for s in streams if not s.done]
         assert not unfinished, f"pause(wait) returned with {len(unfinished)} of {len(streams)} requests unfinished"
@@ -147,7 +152,6 @@ def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
     engine.resume()
     results = [s.result(timeout=120) for s in streams]
     outcome = [(c.finish_reason, len(c.token_ids)) for c in results]
-    context = f"pause({mode}) with {len(streams)} requests, {limit} run at once"
     if mode == "abort":
         assert all(c.finish_reason == "abort" for c in results), f"{context}: (finish, tokens) {outcome}"
         assert all(len(c.token_ids) < max_tokens and _versions(c) in ([], [0]) for c in results), (

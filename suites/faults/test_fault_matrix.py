@@ -31,7 +31,7 @@ from harness.faults.trainer_kill import run_trainer_kill_cell
 from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN
 from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.faults]
 
 
 THOROUGH_DRAWS = 10

@@ -131,6 +131,31 @@ class DeferredSwapEngine(ReferenceEngine):
             self._live, self._pinned = self._next_live, frozenset()
 
 
+class FusedBlindRollbackEngine(ReferenceEngine):
+    """Loads in place, but its rollback restores only tensors the live model holds under their own name:
+    the checkpoint names of fused groups (q/k/v, gate/up) are slices it forgets, so they keep what the
+    abandoned load wrote."""
+
+    def __init__(self, extra=None):
+        super().__init__(extra=extra, loads_in_place=True)
+
+    def begin_in_place_load(self, version):
+        load = super().begin_in_place_load(version)
+        rollback = load.rollback
+
+        def forgetful_rollback():
+            fused = tuple(p for parts in tiny_lm.FUSED_GROUPS.values() for p in parts)
+            load._undo = {n: t for n, t in load._undo.items() if not n.endswith(fused)}
+            rollback()
+
+        load.rollback = forgetful_rollback
+        return load
+
+
+def make_fused_blind_rollback_engine(spec=None):
+    return FusedBlindRollbackEngine(extra=spec)
+
+
 def make_stale_tied_head_engine(spec=None):
     return StaleTiedHeadEngine(extra=spec)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.meta  # the suites run against broken implementations: a tier of its own
 
 
 def _run(pytester, backend: str, kind: str, *args):

@@ -11,7 +11,7 @@ pytest_plugins = ["pytester"]
 
 SLOW = "suites.meta.broken:make_needless_copy_broadcast_backend"
 FLOOR = 0.25  # healthy broadcast at 64 MiB on 2 cores: 0.42-0.65
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.meta]
 
 
 def _run(pytester, backend, *args):
