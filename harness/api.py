@@ -347,7 +347,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def read_weights(self) -> dict[str, torch.Tensor]:
-        """Oracle: the parameters the forward pass uses, by checkpoint name, copied out."""
+        """Oracle: the parameters the forward pass uses, by checkpoint name, copied out (while an
+        in-place load is open, those of the committed version)."""
 
     def check_update(self, names: Iterable[str], version: int) -> None:
         """Refuse an update before any byte is staged: a version not newer than the committed one,

@@ -128,8 +128,13 @@ class ReferenceEngine(Engine):
         return tiny_lm.hf_config(self.config)
 
     def read_weights(self) -> dict[str, torch.Tensor]:
+        """The committed version: while an in-place load is open (no forward pass runs), the values a
+        rollback would restore stand in for those it has written."""
         with self._priority():
-            return {n: t.clone() for n, t in tiny_lm.unfuse(self._live, self.config).items()}
+            weights = {n: t.clone() for n, t in tiny_lm.unfuse(self._live, self.config).items()}
+            if self._loading is not None:
+                weights.update({n: t.clone() for n, t in self._loading.undo.items()})
+            return weights
 
     # ------------------------------------------------------------------ Engine: requests
     def submit(self, request: GenerationRequest) -> RequestStream:
@@ -319,7 +324,7 @@ class _InPlaceLoad(InPlaceLoad):
     def __init__(self, engine: ReferenceEngine, version: int):
         self.engine = engine
         self.version = version
-        self._undo: dict[str, torch.Tensor] = {}
+        self.undo: dict[str, torch.Tensor] = {}
 
     def _views(self) -> dict[str, torch.Tensor]:
         e = self.engine
@@ -340,8 +345,8 @@ class _InPlaceLoad(InPlaceLoad):
                         f"engine holds {tuple(views[name].shape)} {dtype_name(views[name].dtype)}"
                     )
             for name, t in named_tensors.items():
-                if name not in self._undo:
-                    self._undo[name] = views[name].clone()
+                if name not in self.undo:
+                    self.undo[name] = views[name].clone()
                 views[name].copy_(t)
 
     def commit(self) -> None:
@@ -356,12 +361,12 @@ class _InPlaceLoad(InPlaceLoad):
         e = self.engine
         with e._priority():
             views = self._views()
-            for name, old in self._undo.items():
+            for name, old in self.undo.items():
                 views[name].copy_(old)
             self._close()
 
     def _close(self) -> None:
-        self._undo = {}
+        self.undo = {}
         self.engine._loading = None
         self.engine._cond.notify_all()  # the scheduler may step again
 

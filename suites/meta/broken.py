@@ -145,7 +145,7 @@ class FusedBlindRollbackEngine(ReferenceEngine):
 
         def forgetful_rollback():
             fused = tuple(p for parts in tiny_lm.FUSED_GROUPS.values() for p in parts)
-            load._undo = {n: t for n, t in load._undo.items() if not n.endswith(fused)}
+            load.undo = {n: t for n, t in load.undo.items() if not n.endswith(fused)}
             rollback()
 
         load.rollback = forgetful_rollback
