@@ -321,8 +321,8 @@ class Engine(abc.ABC):
         whether running or still queued behind the engine's batch (never scheduled):
         abort: each ends now with finish_reason 'abort' and the tokens it produced (none for a queued one);
         wait: return once each finished, all on the committed version;
-        keep: freeze each where it is, its KV cache kept; after resume it continues from there with the
-        version committed meanwhile (the cache of its earlier tokens was computed with the old one).
+        keep: freeze each where it is; after resume it continues from there with the version committed
+        meanwhile, over the KV cache the old version computed or recomputing it (a preempted request).
         Requests submitted while paused queue and run after resume."""
 
     @property

@@ -117,28 +117,33 @@ def score_kept(
     generated: Sequence[int],
     boundary: int,
 ) -> tuple[list[Disagreement], str]:
-    """A request frozen by pause(keep) after `boundary` tokens and continued on the new version: its
-    first `boundary` tokens come from the old weights; later ones from the new weights attending to the
-    KV the old weights computed (prompt and tokens before the boundary's last one), as vLLM's keep does.
+    """A request frozen by pause(keep) after `boundary` tokens and continued on the new version. Its
+    first `boundary` tokens come from the old weights. After the boundary the contract allows two
+    readings: "kept KV" — the new weights attend to the KV the old weights computed (prompt and tokens
+    before the boundary's last one), as a frozen request does; "recompute" — the new weights over the
+    whole sequence, as a request preempted and recomputed does (vLLM in this harness, whose prefix-cache
+    reset after a commit preempts running requests).
 
-    Returns the disagreements and, when there are some, what the continuation matches instead
-    ("recompute": the new weights over the whole sequence; "old": the old weights throughout)."""
+    Returns (disagreements, reading): no disagreements and the reading the continuation matches, or
+    the disagreements under the kept-KV reading and what it matches instead ("old": the old weights
+    throughout; "" nothing)."""
     if not 1 <= boundary <= len(generated):
         raise ValueError(f"boundary {boundary} outside 1..{len(generated)} generated tokens")
-    found = score(old, prompt, generated[:boundary])
+    before = score(old, prompt, generated[:boundary])
     rest = generated[boundary:]
-    if rest:
-        _, past = old.logits([*prompt, *generated[: boundary - 1]])
-        logits, _ = new.logits(generated[boundary - 1 : -1], past)
-        found += disagreements(logits, rest, new.tolerance(logits), boundary)
-    if not found or not rest:
-        return found, ""
-    for label, fwd in (("recompute", new), ("old", old)):
+    if before or not rest:
+        return before, "kept KV"
+    _, past = old.logits([*prompt, *generated[: boundary - 1]])
+    logits, _ = new.logits(generated[boundary - 1 : -1], past)
+    kept = disagreements(logits, rest, new.tolerance(logits), boundary)
+    if not kept:
+        return [], "kept KV"
+    for reading, fwd in (("recompute", new), ("old", old)):
         logits, _ = fwd.logits([*prompt, *generated[:-1]])
         tail = logits[len(prompt) + boundary - 1 :]
         if not disagreements(tail, rest, fwd.tolerance(tail)):
-            return found, label
-    return found, ""
+            return ([], reading) if reading == "recompute" else (kept, reading)
+    return kept, ""
 
 
 def summary(found: Sequence[Disagreement], limit: int = 4) -> str:

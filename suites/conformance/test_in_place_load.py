@@ -70,9 +70,9 @@ def test_bad_writes_are_refused_before_anything_of_them_lands(deployment, reques
     engine = deployment.handles[0].engine
     before = engine.read_weights()
     spec = engine.weight_spec()
+    load = _open_load(engine, 1)
     with pytest.raises(VersionError):
         engine.begin_in_place_load(0)
-    load = _open_load(engine, 1)
     good = random_like_spec(spec, seed=53)
     name = sorted(spec)[0]
     with pytest.raises(UnknownTensorError):

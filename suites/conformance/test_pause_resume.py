@@ -139,7 +139,11 @@ def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
     # abort: long enough that every request is still open at the pause; keep: a request that finished
     # before the pause lands is fine (all its tokens on version 0), the queued ones are what matters
     max_tokens = ABORTED_LEN if mode == "abort" else LONG
+    # sent while paused, they all arrive at resume: a batch starts and the rest queue behind it (sent one by
+    # one to a running engine, the first could run to their end before the last arrived)
+    engine.pause("keep")
     streams = [engine.submit(pause_request(max_tokens, (3, 1, 4, i % 7 + 1))) for i in range(2 * limit + 1)]
+    engine.resume()
     assert streams[0].wait_for_tokens(1, timeout=60), "the first request produced no tokens"
     engine.pause(mode)
     frozen = [s.token_count for s in streams]
