@@ -3,6 +3,8 @@
     weightsync certify                      # every reference path -> reports/certify-<stamp>/
     weightsync certify --backend mypkg.sync:make_backend --engine reference
     weightsync bench --backend broadcast --sizes-mib 16 64 256 --receivers 1 2 3   # -> reports/bench-<stamp>/
+
+Exit status: 0 the verdict is PASS, 1 FAIL, 2 a usage error (an unknown backend, engine or floor; nothing ran).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harness.api import WeightSyncError
-from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
+from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, engine_capabilities, resolve_backend
 
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
@@ -78,22 +80,20 @@ def certify(args: argparse.Namespace) -> int:
     from harness.bench import CPU_FLOORS, measure_sync, parse_floors
     from harness.report import write_report
 
+    # Every name is resolved before anything runs: a typo is a usage error in seconds, with no report folder.
+    try:
+        floors = parse_floors(args.floor, CPU_FLOORS)
+        backends = {name: resolve_backend(name) for name in args.backend}
+        engine_capabilities(args.engine)  # the engine factory resolves and imports
+    except (ValueError, WeightSyncError) as exc:
+        console.print(f"[red]usage error:[/] {exc}")
+        return 2
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = Path(args.out) / f"certify-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     command = "weightsync " + shlex.join(sys.argv[1:])
-    try:
-        floors = parse_floors(args.floor, CPU_FLOORS)
-    except ValueError as exc:
-        console.print(f"[red]{exc}[/]")
-        return 2
     results, faults, rows = {}, {}, []
-    for name in args.backend:
-        try:
-            backend = resolve_backend(name)
-        except WeightSyncError as exc:
-            console.print(f"[red]{exc}[/]")
-            return 2
+    for name, backend in backends.items():
         results[name] = run_conformance(name, args.engine, out, args.profile, args.receivers)
         if not args.no_faults:
             faults[name] = run_conformance(name, args.engine, out, args.profile, args.receivers, suite="faults")

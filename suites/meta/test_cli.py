@@ -1,0 +1,28 @@
+"""The command line: a name that cannot be resolved is a usage error before anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--engine", "refrence"], "unknown engine 'refrence'"),
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--floor", "disk=fast"], "disk=fast"),
+    ],
+)
+def test_certify_refuses_an_unknown_name_at_once_and_writes_nothing(tmp_path, args, message):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "certify", "--out", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2, f"exit {proc.returncode}, expected 2 (usage):\n{proc.stderr[-1500:]}"
+    assert message in proc.stderr, f"the error does not name the bad input ({message!r}):\n{proc.stderr[-1500:]}"
+    assert not any(tmp_path.iterdir()), f"a usage error left {sorted(p.name for p in tmp_path.iterdir())}"
+    assert took < 60, f"a usage error took {took:.0f} s (nothing should have run)"
