@@ -8,6 +8,10 @@ the regression record); the verdict is the ratio gate (harness.bench.SyncRow): #
 ratio at or above the path's floor (`--weightsync-floor PATH=RATIO`, defaults in harness.bench.CPU_FLOORS),
 and a ratio above 1.0 is UNRELIABLE (skipped with the figures, never passed).
 
+Retry budget: 2 attempts. A row below its floor is measured once more with a fresh deployment (outside
+pytest-benchmark, which times one run per test); it fails only if both attempts are below, and the message
+carries both. A shared 2-core runner can slow one run (a neighbour's job); a regression slows every one.
+
     pytest suites/performance -k sync_throughput --weightsync-backend=ipc --benchmark-save=mine
     pytest suites/performance -m slow -k scaling         # the scaling tables (sizes, receivers)
 """
@@ -36,15 +40,24 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("path_name", paths, ids=[resolve_backend(p).name for p in paths])
 
 
-def _gate(row, benchmark) -> None:
-    benchmark.extra_info.update(row.to_json())
-    figures = (f"{row.path} {row.receivers} rx {row.size_bytes / 2**20:.0f} MiB: {row.algbw_gbs:.3f} GB/s = "
-               f"{row.ratio:.3f} of its ceiling {row.ceiling_gbs:.3f} GB/s (floor {row.floor}); median "
-               f"{row.time_s * 1e3:.1f} ms = " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items()))
-    assert row.wrong == 0, f"{row.wrong} tensor(s) differ after the last push: {figures}"
+ATTEMPTS = 2  # the gate's retry budget (see the module docstring)
+
+
+def _figures(row) -> str:
+    return (f"{row.path} {row.receivers} rx {row.size_bytes / 2**20:.0f} MiB: {row.algbw_gbs:.3f} GB/s = "
+            f"{row.ratio:.3f} of its ceiling {row.ceiling_gbs:.3f} GB/s (floor {row.floor}); median "
+            f"{row.time_s * 1e3:.1f} ms = " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items()))
+
+
+def _gate(rows, benchmark) -> None:
+    """Judge the last attempt; `rows` are every attempt, in order."""
+    row = rows[-1]
+    benchmark.extra_info.update({**row.to_json(), "attempts": len(rows)})
+    attempts = "; ".join(f"attempt {i}: {_figures(r)}" for i, r in enumerate(rows, 1))
+    assert row.wrong == 0, f"{row.wrong} tensor(s) differ after the last push: {attempts}"
     if row.verdict == "unreliable":
-        pytest.skip(f"UNRELIABLE: the path beat its ceiling, which was therefore no ceiling: {figures}")
-    assert row.passed, f"below the floor: {figures}"
+        pytest.skip(f"UNRELIABLE: the path beat its ceiling, which was therefore no ceiling: {attempts}")
+    assert row.passed, f"below the floor in {len(rows)} of {ATTEMPTS} attempts: {attempts}"
 
 
 def _run(benchmark, backend, size, receivers, tmp_path, floor, rounds=REPEATS):
@@ -53,11 +66,23 @@ def _run(benchmark, backend, size, receivers, tmp_path, floor, rounds=REPEATS):
         return bench.row()
 
 
+def _run_again(backend, size, receivers, tmp_path, floor, rounds=REPEATS):
+    """The same measurement with a fresh deployment, timed by SyncBench alone."""
+    with SyncBench(backend, size, receivers, str(tmp_path / "again"), floor=floor, repeats=rounds) as bench:
+        for _ in range(rounds):
+            args, kwargs = bench.before()
+            bench.push(*args, **kwargs)
+        return bench.row()
+
+
 def test_sync_throughput_against_its_ceiling(benchmark, selection, path_name, tmp_path, pytestconfig):
     backend = selection.backends[path_name]
     size = pytestconfig.getoption("--weightsync-bench-mib") << 20
-    row = _run(benchmark, backend, size, 1, tmp_path, floor_for(backend.name, size, floors_of(pytestconfig)))
-    _gate(row, benchmark)
+    floor = floor_for(backend.name, size, floors_of(pytestconfig))
+    rows = [_run(benchmark, backend, size, 1, tmp_path, floor)]
+    if rows[0].wrong == 0 and rows[0].verdict != "unreliable" and not rows[0].passed:
+        rows.append(_run_again(backend, size, 1, tmp_path, floor))
+    _gate(rows, benchmark)
 
 
 @pytest.mark.slow
@@ -70,4 +95,4 @@ def test_sync_scaling(benchmark, selection, path_name, size_mib, receivers, tmp_
         pytest.skip(f"backend {path_name!r} takes one receiver")
     size = size_mib << 20
     row = _run(benchmark, backend, size, receivers, tmp_path, floor_for(backend.name, size, floors_of(pytestconfig)), 3)
-    _gate(row, benchmark)
+    _gate([row], benchmark)
