@@ -62,7 +62,6 @@ class IndependentForward:
             raise OracleUnavailable(f"transformers does not know model_type {model_type!r}: {exc}") from exc
         # float32 whatever the engine serves: the reference is the most exact forward of the checkpoint
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
-        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._parameters = {n for n, _ in self.model.named_parameters(remove_duplicate=True)}
 
     def load(self, checkpoint: Mapping[str, torch.Tensor]) -> IndependentForward:

@@ -191,8 +191,11 @@ class ReferenceEngine(Engine):
             self._prefix_cache.clear()
 
     # ------------------------------------------------------------------ Engine: commit
-    def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        self.check_update(tensors.keys(), version)
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Refuse a name the engine lacks, or a shape or dtype other than the one it holds."""
+        unknown = sorted(n for n in tensors if n not in self._spec)
+        if unknown:
+            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]}")
         for name, t in tensors.items():
             s = self._spec[name]
             if tuple(t.shape) != s.shape or t.dtype != s.dtype:
@@ -200,10 +203,18 @@ class ReferenceEngine(Engine):
                     f"version {version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
                     f"engine holds {s.shape} {dtype_name(s.dtype)}"
                 )
+
+    def _refuse_while_loading(self, version: int) -> None:
+        """Under the step lock: one version at a time, whole swap or in-place load."""
+        if self._loading is not None:
+            raise EngineStateError(f"version {version}: an in-place load of version {self._loading.version} is open")
+
+    def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        self.check_update(tensors.keys(), version)
+        self._check_tensors(tensors, version)
         # Build the whole new live dict first (copy-on-write), then swap it in under the step lock.
         with self._priority():
-            if self._loading is not None:
-                raise EngineStateError(f"version {version}: an in-place load of version {self._loading.version} is open")
+            self._refuse_while_loading(version)
             checkpoint = tiny_lm.unfuse(self._live, self.config)
         checkpoint.update({n: t.detach() for n, t in tensors.items()})  # ownership passes to the engine
         new_live = tiny_lm.fuse(checkpoint)
@@ -218,8 +229,7 @@ class ReferenceEngine(Engine):
     def begin_in_place_load(self, version: int) -> InPlaceLoad:
         self.check_update((), version)
         with self._priority():
-            if self._loading is not None:
-                raise EngineStateError(f"version {version}: an in-place load of version {self._loading.version} is open")
+            self._refuse_while_loading(version)
             self._loading = _InPlaceLoad(self, version)
             return self._loading
 
@@ -311,10 +321,14 @@ class ReferenceEngine(Engine):
                 self.prefix_cache_hits += 1
                 break
         logits, cache = tiny_lm.forward(self.config, self._live, prompt[start:], cached)
-        for n in range(PREFIX_BLOCK, len(prompt) + 1, PREFIX_BLOCK):  # every block boundary (views, no copies)
-            self._prefix_cache.setdefault(tuple(prompt[:n]), [(k[:, :n], v[:, :n]) for k, v in cache])
+        self._cache_prefix_blocks(prompt, cache)
         r.cache = cache
         return logits
+
+    def _cache_prefix_blocks(self, tokens: list[int], cache: KVCache) -> None:
+        """Every full block of `tokens` the cache covers (views, no copies), unless already cached."""
+        for n in range(PREFIX_BLOCK, min(len(tokens), cache[0][0].shape[1]) + 1, PREFIX_BLOCK):
+            self._prefix_cache.setdefault(tuple(tokens[:n]), [(k[:, :n], v[:, :n]) for k, v in cache])
 
 
 class _InPlaceLoad(InPlaceLoad):
@@ -336,14 +350,7 @@ class _InPlaceLoad(InPlaceLoad):
         e = self.engine
         with e._priority():
             views = self._views()
-            for name, t in named_tensors.items():
-                if name not in views:
-                    raise UnknownTensorError(f"version {self.version}: unknown tensor {name!r}")
-                if tuple(t.shape) != tuple(views[name].shape) or t.dtype != views[name].dtype:
-                    raise ManifestMismatch(
-                        f"version {self.version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
-                        f"engine holds {tuple(views[name].shape)} {dtype_name(views[name].dtype)}"
-                    )
+            e._check_tensors(named_tensors, self.version)  # the whole call, before any of it is written
             for name, t in named_tensors.items():
                 if name not in self.undo:
                     self.undo[name] = views[name].clone()

@@ -73,6 +73,7 @@ class VllmServerProcess:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "server.log"
+        self.max_num_seqs = max_num_seqs
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -180,8 +181,8 @@ class ServerVllm(VllmEngine):
 
     def __init__(self, model_dir: str | os.PathLike, workdir: str | os.PathLike, **server_options: Any):
         super().__init__(model_dir, workdir)
-        self.max_num_seqs = server_options.get("max_num_seqs", 8)  # VllmServerProcess's default
         self.server = VllmServerProcess(model_dir, workdir, **server_options)
+        self.max_num_seqs = self.server.max_num_seqs
         self.server.start()
         # A route that raises makes uvicorn drop the connection after its 500: no keep-alive reuse.
         self.http = httpx.Client(

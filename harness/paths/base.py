@@ -66,9 +66,13 @@ class StagingReceiver(Receiver, abc.ABC):
         self._lc.to(state)
         self._staged = {}
         self._arrived = set()
+        self._drop_load()
+
+    def _drop_load(self) -> None:
+        """An update that ends without a commit leaves the committed version, bit for bit."""
         load, self._load = self._load, None
         if load is not None:
-            load.rollback()  # an update that ends without a commit leaves the committed version, bit for bit
+            load.rollback()
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: JSON) -> None:
@@ -119,9 +123,7 @@ class StagingReceiver(Receiver, abc.ABC):
             except WeightSyncError as exc:
                 self._lc.fail(exc)
                 self._staged = {}
-                load, self._load = self._load, None
-                if load is not None:
-                    load.rollback()
+                self._drop_load()
                 raise
             if not self.engine.loads_in_place:
                 self._staged.update(received)

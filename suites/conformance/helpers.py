@@ -13,6 +13,7 @@ import torch
 from harness.api import Completion, Deployment, Engine, GenerationRequest, RequestStream
 from harness.checks import assert_bitwise_equal
 from harness.deployment import push
+from harness.engines.reference import PREFIX_BLOCK
 from harness.independent_forward import IndependentForward, OracleUnavailable, score, summary
 from harness.pytest_plugin import NOT_SUPPORTED
 
@@ -22,7 +23,7 @@ LONG = 48  # tokens of a request that is expected to run to its end
 ABORTED_LEN = 4096
 KEPT_LEN = 512
 PI_PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
-PREFIX_BLOCKS = (4, 16)  # prefix-cache block sizes: the reference engine's, vLLM's (prompts cut at both)
+PREFIX_BLOCKS = (PREFIX_BLOCK, 16)  # prefix-cache block sizes: the reference engine's, vLLM's (prompts cut at both)
 _ids = itertools.count()
 
 

@@ -8,7 +8,7 @@ import os
 import torch
 
 from harness.engines import tiny_lm
-from harness.engines.reference import PREFIX_BLOCK, ReferenceEngine
+from harness.engines.reference import ReferenceEngine
 from harness.engines.tiny_lm import ModelConfig
 from harness.paths.control import ControlBackend, ControlDeployment
 from harness.paths import delta_codec
@@ -88,9 +88,7 @@ class DecodeBlockCachingEngine(ReferenceEngine):
         super()._step()
         for r in self._running:
             if r.cache is not None:
-                filled = r.cache[0][0].shape[1]
-                for n in range(PREFIX_BLOCK, filled + 1, PREFIX_BLOCK):
-                    self._prefix_cache.setdefault(tuple(r.tokens[:n]), [(k[:, :n], v[:, :n]) for k, v in r.cache])
+                self._cache_prefix_blocks(r.tokens, r.cache)
 
 
 class QueueBlindPauseEngine(ReferenceEngine):
