@@ -1,9 +1,9 @@
-"""nox sessions: `nox -s tests` (default tier), `nox -s faults`, `nox -s meta`, `nox -s vllm`, `nox -s certify`
+"""nox sessions: `nox -s lint`, `nox -s tests` (default tier), `nox -s faults`, `nox -s meta`, `nox -s vllm`, `nox -s certify`
 (the main job), `nox -s thorough`."""
 
 import nox
 
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
 
 TORCH = "torch==2.13.0"  # CPU build; see pyproject.toml
@@ -15,6 +15,14 @@ def _install(session: nox.Session, extras: str = "control,oracle") -> None:
 
 
 DEFAULT_TIER = "not slow and not vllm and not faults and not meta"
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check under pyproject.toml's rule set (what CI runs first)."""
+    session.install("ruff>=0.17,<0.18")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(python="3.11")
@@ -68,7 +76,15 @@ def bench(session: nox.Session) -> None:
     """The performance gate with its pytest-benchmark record (saved under reports/benchmarks/, compared with
     the last saved run: a median 50% slower fails), then `weightsync bench` (tables and plots)."""
     _install(session)
-    session.run("pytest", "suites/performance", "-k", "sync_throughput and against",
-                "--benchmark-storage=file://reports/benchmarks", "--benchmark-autosave",
-                "--benchmark-compare", "--benchmark-compare-fail=median:50%", *session.posargs)
+    session.run(
+        "pytest",
+        "suites/performance",
+        "-k",
+        "sync_throughput and against",
+        "--benchmark-storage=file://reports/benchmarks",
+        "--benchmark-autosave",
+        "--benchmark-compare",
+        "--benchmark-compare-fail=median:50%",
+        *session.posargs,
+    )
     session.run("weightsync", "bench")

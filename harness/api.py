@@ -24,7 +24,7 @@ import abc
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 
@@ -222,8 +222,12 @@ class Capabilities:
     pause_modes: frozenset[str] = frozenset(PAUSE_MODES)
     arbitrary_tensors: bool = True  # engine accepts any (name, shape, dtype) spec, not only a fixed model
     interposable: bool = False  # the sender calls `Sender.tap` on every unit of payload (fault injection)
-    http_control: bool = False  # the lifecycle goes over HTTP: each handle's receiver has a ControlClient `.client`
-    buckets: bool = False  # the data plane moves a version in units of `Backend.bucket_bytes`, set by deploy()
+    http_control: bool = (
+        False  # the lifecycle goes over HTTP: each handle's receiver has a ControlClient `.client`
+    )
+    buckets: bool = (
+        False  # the data plane moves a version in units of `Backend.bucket_bytes`, set by deploy()
+    )
 
     def restricted_by(self, engine: Capabilities) -> Capabilities:
         """What a (backend, engine) pair can do: what both support."""
@@ -500,7 +504,7 @@ class Deployment(abc.ABC):
         """Every rank alive and answering (checked by push() before each sync; cheap)."""
         return True
 
-    def recover(self) -> None:  # noqa: B027 - in-process deployments have nothing to rebuild
+    def recover(self) -> None:
         """Called by push() before the sync that follows a failed one: restart dead ranks (their
         engines start at version 0), rebuild the data plane, and make the sender assume nothing
         about what the engines hold (delta falls back to a full sync)."""
@@ -514,7 +518,7 @@ class Deployment(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
-    def __enter__(self) -> Deployment:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -535,7 +539,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def deploy(
-        self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str = DEFAULT_ENGINE,
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str = DEFAULT_ENGINE,
         bucket_bytes: int | None = None,
     ) -> Deployment:
         """Build a Sender and `n_receivers` engines, each made by the engine factory named `engine`

@@ -18,17 +18,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Self
 
 import torch
 import torch.distributed as dist
 
+from fixtures.payloads import spec_of
 from harness import phases
 from harness.api import Backend
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
 from harness.manifest import DEFAULT_BUCKET_BYTES
-from fixtures.payloads import spec_of
-
 
 #: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
 #: about 40% under what a 2-core CI VM measures at 64 MiB (disk 0.8-1.0, broadcast 0.42-0.65, ipc 0.08-0.14,
@@ -59,7 +59,9 @@ class SyncRow:
     changed: float = 0.0  # delta paths: the fraction of entries each new version changes
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # start, prepare, transfer, finish
     parts: dict[str, float] = dataclasses.field(default_factory=dict)  # BAR_PARTS of the median repeat
-    sender: dict[str, float] = dataclasses.field(default_factory=dict)  # every sender phase (overlaps included)
+    sender: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # every sender phase (overlaps included)
     times_s: list[float] = dataclasses.field(default_factory=list)
     ceiling_times_s: list[float] = dataclasses.field(default_factory=list)
 
@@ -162,7 +164,11 @@ class GlooCeiling(Ceiling):
 
         def rank(r: int) -> None:
             try:
-                s = store if r == 0 else dist.TCPStore("127.0.0.1", store.port, world, is_master=False, timeout=timeout)
+                s = (
+                    store
+                    if r == 0
+                    else dist.TCPStore("127.0.0.1", store.port, world, is_master=False, timeout=timeout)
+                )
                 group = dist.ProcessGroupGloo(dist.PrefixStore("ceiling/", s), r, world, timeout)
                 bufs = [torch.ones(n, dtype=torch.uint8) for n in sizes]
             except BaseException as exc:  # noqa: BLE001 - reported by once()
@@ -243,7 +249,9 @@ def ceiling_kind(backend: Backend) -> str | None:
         return "memcpy"
     if isinstance(backend, DiskBackend):
         return "disk"
-    return {"disk": "disk", "broadcast": "gloo", "delta": "gloo", "ipc": "memcpy", "delta-ipc": "memcpy"}.get(backend.name)
+    return {"disk": "disk", "broadcast": "gloo", "delta": "gloo", "ipc": "memcpy", "delta-ipc": "memcpy"}.get(
+        backend.name
+    )
 
 
 def make_ceiling(backend: Backend, nbytes: int, receivers: int, workdir: str) -> Ceiling | None:
@@ -271,7 +279,9 @@ def _versions(weights: dict[str, torch.Tensor], fraction: float, n: int):
         yield current
 
 
-def _critical_parts(steps: dict[str, float], sender: dict[str, float], receivers: list[dict[str, float]]) -> dict:
+def _critical_parts(
+    steps: dict[str, float], sender: dict[str, float], receivers: list[dict[str, float]]
+) -> dict:
     """The stacked bar of one push: what the trainer did while preparing, what the slowest receiver did
     while the bytes moved, its commit, and the rest as other (see BAR_PARTS)."""
     slowest = max(receivers, key=lambda r: sum(r.values()), default={})
@@ -290,12 +300,22 @@ class SyncBench:
     Delta paths push a new version with `fraction` (default 1%) of entries changed each time (the RL
     regime) and count the dense bytes delivered (effective bandwidth)."""
 
-    def __init__(self, backend: Backend, size: int, receivers: int, workdir: str, floor: float = 0.0,
-                 fraction: float | None = None, repeats: int = 5):
+    def __init__(
+        self,
+        backend: Backend,
+        size: int,
+        receivers: int,
+        workdir: str,
+        floor: float = 0.0,
+        fraction: float | None = None,
+        repeats: int = 5,
+    ):
         self.backend, self.receivers, self.floor = backend, receivers, floor
         self.weights = payload(size)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
-        self.changed = (DEFAULT_CHANGED if fraction is None else fraction) if backend.capabilities.delta else 0.0
+        self.changed = (
+            (DEFAULT_CHANGED if fraction is None else fraction) if backend.capabilities.delta else 0.0
+        )
         self._versions = _versions(self.weights, self.changed, repeats + 1)
         self._workdir = str(Path(workdir) / f"{backend.name}-{size}-{receivers}")
         self._samples: list[tuple] = []  # (total, laps, sender at prepare, sender, receivers)
@@ -303,14 +323,16 @@ class SyncBench:
         self._version = iter(range(1, 1 << 30))
         self.last = self.weights
 
-    def __enter__(self) -> SyncBench:
+    def __enter__(self) -> Self:
         self._was_recording = phases.enabled()
         phases.set_enabled(True)  # before deploy: spawned ranks record too
         self.deployment = self.backend.deploy(self.receivers, spec_of(self.weights), self._workdir)
         self._take_ranks = getattr(self.deployment, "take_phases", lambda: [])
         try:
             self.ceiling = make_ceiling(self.backend, self.nbytes, self.receivers, self._workdir)
-            push(self.deployment, next(self._version), self.weights)  # warm-up: connections, page cache, allocator
+            push(
+                self.deployment, next(self._version), self.weights
+            )  # warm-up: connections, page cache, allocator
             if self.ceiling is not None:
                 self.ceiling.once()
         except BaseException:
@@ -341,29 +363,52 @@ class SyncBench:
         prepared: dict[str, dict[str, float]] = {}
         gc.disable()  # a collection inside one repeat is the harness's noise, not the path's
         try:
-            push(self.deployment, next(self._version), weights, timings=laps,
-                 on_lap=lambda name: prepared.update(phases.take()) if name == "prepare" else None)
+            push(
+                self.deployment,
+                next(self._version),
+                weights,
+                timings=laps,
+                on_lap=lambda name: prepared.update(phases.take()) if name == "prepare" else None,
+            )
         finally:
             gc.enable()
         self.last = weights
         rest = phases.take()
         at_prepare = prepared.get("sender", {})
-        sender = {k: at_prepare.get(k, 0.0) + rest.get("sender", {}).get(k, 0.0)
-                  for k in set(at_prepare) | set(rest.get("sender", {}))}
+        sender = {
+            k: at_prepare.get(k, 0.0) + rest.get("sender", {}).get(k, 0.0)
+            for k in set(at_prepare) | set(rest.get("sender", {}))
+        }
         in_process = rest.get("receiver", {})  # receivers that live in this process
         ranks = [r.get("receiver", {}) for r in self._take_ranks()] or ([in_process] if in_process else [])
         self._samples.append((sum(laps.values()), laps, at_prepare, sender, ranks))
 
     def row(self) -> SyncRow:
         """The median push, its breakdown, the best ceiling repeat, and #wrong read back from every engine."""
-        wrong = sum(len(bitwise_mismatches(self.last, h.engine.read_weights())) for h in self.deployment.handles)
+        wrong = sum(
+            len(bitwise_mismatches(self.last, h.engine.read_weights())) for h in self.deployment.handles
+        )
         samples = sorted(self._samples, key=lambda s: s[0])
         total, laps, at_prepare, sender, ranks = samples[len(samples) // 2]
         ceiling = self.nbytes / min(self._ceiling_times) / 1e9 if self._ceiling_times else 0.0
-        return SyncRow(self.backend.name, self.receivers, self.nbytes, len(self.weights), "bf16", total,
-                       self.nbytes / total / 1e9, ceiling, wrong, floor=self.floor, changed=self.changed, steps=laps,
-                       parts=_critical_parts(laps, at_prepare, ranks), sender=sender,
-                       times_s=[s[0] for s in self._samples], ceiling_times_s=self._ceiling_times)
+        return SyncRow(
+            self.backend.name,
+            self.receivers,
+            self.nbytes,
+            len(self.weights),
+            "bf16",
+            total,
+            self.nbytes / total / 1e9,
+            ceiling,
+            wrong,
+            floor=self.floor,
+            changed=self.changed,
+            steps=laps,
+            parts=_critical_parts(laps, at_prepare, ranks),
+            sender=sender,
+            times_s=[s[0] for s in self._samples],
+            ceiling_times_s=self._ceiling_times,
+        )
 
 
 def gate_failures(rows: list[SyncRow]) -> list[str]:
@@ -412,8 +457,10 @@ def measure_sync(
             floor = floor_for(backend.name, size, floors) if fraction in (None, DEFAULT_CHANGED) else 0.0
             with SyncBench(backend, size, receivers, workdir or tmp, floor, fraction, repeats) as bench:
                 for i in range(repeats):
-                    progress(f"{backend.name}: {receivers} receiver(s), {bench.nbytes / 2**20:.0f} MiB, "
-                             f"repeat {i + 1}/{repeats}")
+                    progress(
+                        f"{backend.name}: {receivers} receiver(s), {bench.nbytes / 2**20:.0f} MiB, "
+                        f"repeat {i + 1}/{repeats}"
+                    )
                     args, _ = bench.before()
                     bench.push(*args)
                 rows.append(bench.row())

@@ -43,7 +43,9 @@ def bitwise_mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, t
             )
             continue
         if not torch.equal(as_bytes(e), as_bytes(g.cpu())):
-            problems.append(f"{name} ({dtype_name(e.dtype)} {tuple(e.shape)}): {first_difference(e, g.cpu())}")
+            problems.append(
+                f"{name} ({dtype_name(e.dtype)} {tuple(e.shape)}): {first_difference(e, g.cpu())}"
+            )
     return problems
 
 
@@ -55,7 +57,9 @@ def assert_bitwise_equal(
         lines = "\n  ".join(problems[:10])
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         hint = f"\nrerun: {rerun}" if rerun else ""
-        raise AssertionError(f"{context}: {len(problems)} tensor(s) not bitwise equal:\n  {lines}{more}{hint}")
+        raise AssertionError(
+            f"{context}: {len(problems)} tensor(s) not bitwise equal:\n  {lines}{more}{hint}"
+        )
 
 
 # ------------------------------------------------------------------------------------------ fault cells
@@ -65,17 +69,23 @@ class CellObservation:
 
     fault: object  # the harness.faults.injectors.Fault that was injected
     timeout_s: float
-    versions: dict[int, dict[str, torch.Tensor]]  # what the trainer pushed, by version (those that may be served)
+    versions: dict[
+        int, dict[str, torch.Tensor]
+    ]  # what the trainer pushed, by version (those that may be served)
     version: int = 2  # the push the fault struck
     recovery_version: int = 3  # the push after heal
     victim_name: str | None = None
     error: BaseException | None = None  # what the faulty push raised (None: it succeeded)
     detect_s: float = 0.0
-    after_fault: list = dataclasses.field(default_factory=list)  # per engine: (version, weights) or "down: ..."
+    after_fault: list = dataclasses.field(
+        default_factory=list
+    )  # per engine: (version, weights) or "down: ..."
     recovery_error: BaseException | None = None
     recover_s: float = 0.0
     after_recovery: list = dataclasses.field(default_factory=list)
-    fault_problems: list[str] = dataclasses.field(default_factory=list)  # the fault's own oracle (Fault.check)
+    fault_problems: list[str] = dataclasses.field(
+        default_factory=list
+    )  # the fault's own oracle (Fault.check)
 
     def error_text(self) -> str | None:
         return None if self.error is None else _error_text(self.error).strip()[-1500:]
@@ -94,12 +104,16 @@ def _safety(engines: list, versions: dict[int, dict[str, torch.Tensor]], when: s
         version, weights = state
         if version not in versions:
             if version != 0:
-                problems.append(f"{when}: engine {i} serves version {version}, which the trainer never pushed")
+                problems.append(
+                    f"{when}: engine {i} serves version {version}, which the trainer never pushed"
+                )
             continue
         mismatches = bitwise_mismatches(versions[version], weights)
         if mismatches:
-            problems.append(f"{when}: engine {i} claims version {version} but holds other bytes: {mismatches[0]}"
-                            + (f" (+{len(mismatches) - 1} more tensors)" if len(mismatches) > 1 else ""))
+            problems.append(
+                f"{when}: engine {i} claims version {version} but holds other bytes: {mismatches[0]}"
+                + (f" (+{len(mismatches) - 1} more tensors)" if len(mismatches) > 1 else "")
+            )
     return problems
 
 
@@ -114,11 +128,15 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
     served = [s[0] for s in obs.after_fault if not isinstance(s, str)]
     problems += obs.fault_problems
     if obs.error is not None and getattr(obs.fault, "must_succeed", False):
-        problems.append(f"the push failed on a fault the client must ride out ({obs.fault.kind}: retried with the "
-                        f"same Idempotency-Key it succeeds): {_error_text(obs.error).strip()[:300]}")
+        problems.append(
+            f"the push failed on a fault the client must ride out ({obs.fault.kind}: retried with the "
+            f"same Idempotency-Key it succeeds): {_error_text(obs.error).strip()[:300]}"
+        )
     if obs.error is None:
         if any(v != obs.version for v in served):
-            problems.append(f"the push of version {obs.version} reported success while engines serve versions {served}")
+            problems.append(
+                f"the push of version {obs.version} reported success while engines serve versions {served}"
+            )
     else:
         text = _error_text(obs.error)
         injected_trainer = isinstance(obs.error, RuntimeError) and "injected trainer failure" in text
@@ -127,20 +145,26 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
         if getattr(obs.fault, "names_victim", False) and obs.victim_name and obs.victim_name not in text:
             problems.append(f"the error does not name the faulty receiver ({obs.victim_name}): {text[:300]}")
         if len(set(served)) > 1 and not isinstance(obs.error, PartialCommitError):
-            problems.append(f"engines serve versions {served} after a failed push, and the error does not say so: "
-                            f"{type(obs.error).__name__}")
+            problems.append(
+                f"engines serve versions {served} after a failed push, and the error does not say so: "
+                f"{type(obs.error).__name__}"
+            )
         if isinstance(obs.error, PartialCommitError):
             said = [v for v in obs.error.versions if v is not None]
             if sorted(said) != sorted(served):
                 problems.append(f"the error says engines serve {obs.error.versions}, they serve {served}")
     if obs.recovery_error is not None:
-        problems.append(f"no recovery: the push of version {obs.recovery_version} after heal failed: "
-                        f"{_error_text(obs.recovery_error).strip()[:400]}")
+        problems.append(
+            f"no recovery: the push of version {obs.recovery_version} after heal failed: "
+            f"{_error_text(obs.recovery_error).strip()[:400]}"
+        )
     else:
         down = [s for s in obs.after_recovery if isinstance(s, str)]
         late = [s[0] for s in obs.after_recovery if not isinstance(s, str) and s[0] != obs.recovery_version]
         if down or late:
             states = [s if isinstance(s, str) else s[0] for s in obs.after_recovery]
-            problems.append(f"after recovery not every engine serves version {obs.recovery_version}: {states}")
+            problems.append(
+                f"after recovery not every engine serves version {obs.recovery_version}: {states}"
+            )
         problems += _safety(obs.after_recovery, obs.versions, "after recovery")
     return ("fail", problems) if problems else ("ok", [])

@@ -37,33 +37,56 @@ def _suite_dir(name: str) -> Path:
 BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
 
 
-def run_conformance(backend: str, engine: str, out: Path, profile: str, receivers: str,
-                    suite: str = "conformance") -> dict:
+def run_conformance(
+    backend: str, engine: str, out: Path, profile: str, receivers: str, suite: str = "conformance"
+) -> dict:
     """Run a suite (conformance, or the fault matrix) against one backend in a fresh interpreter;
     returns its results JSON."""
     results = out / f"{suite}-{_slug(backend)}.json"
     cmd = [
-        sys.executable, "-m", "pytest", str(_suite_dir(suite)), "-q", "-p", "no:cacheprovider",
-        f"--weightsync-backend={backend}", f"--weightsync-engine={engine}", f"--weightsync-receivers={receivers}",
-        f"--weightsync-results={results}", f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
+        sys.executable,
+        "-m",
+        "pytest",
+        str(_suite_dir(suite)),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--weightsync-backend={backend}",
+        f"--weightsync-engine={engine}",
+        f"--weightsync-receivers={receivers}",
+        f"--weightsync-results={results}",
+        f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
     ]
     if suite == "faults":
         cmd += ["-m", "not docker and not slow"]  # the Docker tier and the soak run on their own
-    if suite == "conformance" and backend != "broadcast":  # these drive BroadcastBackend itself, whatever is selected: run them once
+    if (
+        suite == "conformance" and backend != "broadcast"
+    ):  # these drive BroadcastBackend itself, whatever is selected: run them once
         for test in BROADCAST_LAUNCHER_TESTS:
             cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
     env = {**os.environ, "HYPOTHESIS_PROFILE": profile}
     log = out / f"pytest-{suite}-{_slug(backend)}.log"
-    with console.status(f"[bold]{suite}[/] {backend}: running {shlex.join(cmd[3:5])} ..."), open(log, "w") as f:
+    with (
+        console.status(f"[bold]{suite}[/] {backend}: running {shlex.join(cmd[3:5])} ..."),
+        open(log, "w") as f,
+    ):
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=_suite_dir("..").resolve())
+        proc = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=_suite_dir("..").resolve()
+        )
     if not results.exists():
-        return {"backend": backend, "exitstatus": proc.returncode, "tests": {},
-                "error": f"pytest produced no results (exit {proc.returncode}); see {log}"}
+        return {
+            "backend": backend,
+            "exitstatus": proc.returncode,
+            "tests": {},
+            "error": f"pytest produced no results (exit {proc.returncode}); see {log}",
+        }
     data = json.loads(results.read_text())
     if not data.get("complete", True):  # killed mid-run: the file holds what finished before
         data["exitstatus"] = proc.returncode if proc.returncode not in (0, 5) else 3
-        data["error"] = f"pytest stopped (exit {proc.returncode}) during {data.get('running') or 'teardown'}; see {log}"
+        data["error"] = (
+            f"pytest stopped (exit {proc.returncode}) during {data.get('running') or 'teardown'}; see {log}"
+        )
     statuses = [r.get("status") for r in data["tests"].values()]
     console.print(
         f"{suite} {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
@@ -96,26 +119,57 @@ def certify(args: argparse.Namespace) -> int:
     for name, backend in backends.items():
         results[name] = run_conformance(name, args.engine, out, args.profile, args.receivers)
         if not args.no_faults:
-            faults[name] = run_conformance(name, args.engine, out, args.profile, args.receivers, suite="faults")
+            faults[name] = run_conformance(
+                name, args.engine, out, args.profile, args.receivers, suite="faults"
+            )
         if not args.no_bench:
             counts = [2] if backend.capabilities.multi_receiver else [1]
             for rx in counts:
                 with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ...") as status:
-                    rows += measure_sync(backend, [s << 20 for s in args.sizes_mib], rx, repeats=args.repeats,
-                                         floors=floors, progress=lambda msg: status.update(f"[bold]throughput[/] {msg}"))
+                    rows += measure_sync(
+                        backend,
+                        [s << 20 for s in args.sizes_mib],
+                        rx,
+                        repeats=args.repeats,
+                        floors=floors,
+                        progress=lambda msg: status.update(f"[bold]throughput[/] {msg}"),
+                    )
     if not args.no_faults and args.default_selection:  # the control plane: a column of the fault matrix only
         for name in EXTRA_BACKENDS:
-            faults[name] = run_conformance(name, args.engine, out, args.profile, args.receivers, suite="faults")
+            faults[name] = run_conformance(
+                name, args.engine, out, args.profile, args.receivers, suite="faults"
+            )
     report = write_report(out, results, rows, command, faults)
     if rows:
         table = Table(title="sync throughput (median full lifecycle)")
-        for col in ("path", "rx", "size (B)", "count", "time (ms)", "algbw GB/s", "ceiling GB/s", "ratio", "floor",
-                    "#wrong", "verdict"):
+        for col in (
+            "path",
+            "rx",
+            "size (B)",
+            "count",
+            "time (ms)",
+            "algbw GB/s",
+            "ceiling GB/s",
+            "ratio",
+            "floor",
+            "#wrong",
+            "verdict",
+        ):
             table.add_column(col, justify="right")
         for r in rows:
-            table.add_row(r.path, str(r.receivers), str(r.size_bytes), str(r.count), f"{r.time_s * 1e3:.2f}",
-                          f"{r.algbw_gbs:.3f}", f"{r.ceiling_gbs:.3f}", f"{r.ratio:.2f}", f"{r.floor or '-'}",
-                          str(r.wrong), r.verdict if r.floor or r.wrong else "reported")
+            table.add_row(
+                r.path,
+                str(r.receivers),
+                str(r.size_bytes),
+                str(r.count),
+                f"{r.time_s * 1e3:.2f}",
+                f"{r.algbw_gbs:.3f}",
+                f"{r.ceiling_gbs:.3f}",
+                f"{r.ratio:.2f}",
+                f"{r.floor or '-'}",
+                str(r.wrong),
+                r.verdict if r.floor or r.wrong else "reported",
+            )
         console.print(table)
     verdict = json.loads((out / "results.json").read_text())["verdict"]
     colour = "green" if verdict == "PASS" else "red"
@@ -146,13 +200,21 @@ def bench(args: argparse.Namespace) -> int:
             for fraction in fractions:
                 done = len(rows)
                 with console.status(f"[bold]bench[/] {backend.name} ...") as status:
-                    rows += measure_sync(backend, sizes if fraction in (None, DEFAULT_CHANGED) else sizes[-1:], rx,
-                                         repeats=args.repeats, floors=floors, fraction=fraction,
-                                         progress=lambda msg: status.update(f"[bold]bench[/] {msg}"))
+                    rows += measure_sync(
+                        backend,
+                        sizes if fraction in (None, DEFAULT_CHANGED) else sizes[-1:],
+                        rx,
+                        repeats=args.repeats,
+                        floors=floors,
+                        fraction=fraction,
+                        progress=lambda msg: status.update(f"[bold]bench[/] {msg}"),
+                    )
                 for r in rows[done:]:
-                    console.print(f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
-                                  f"{f' {r.changed:.1%} changed' if r.changed else ''}: {r.time_s * 1e3:.1f} ms, "
-                                  f"ratio {r.ratio:.2f} ({r.verdict}), #wrong {r.wrong}")
+                    console.print(
+                        f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
+                        f"{f' {r.changed:.1%} changed' if r.changed else ''}: {r.time_s * 1e3:.1f} ms, "
+                        f"ratio {r.ratio:.2f} ({r.verdict}), #wrong {r.wrong}"
+                    )
     report = write_perf_report(out, rows, "weightsync " + shlex.join(sys.argv[1:]))
     verdict = json.loads((out / "results.json").read_text())["verdict"]
     console.print(f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/] report: {report}")
@@ -161,28 +223,53 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="weightsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="weightsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("certify", help="run the conformance suite and the throughput table; write a report")
-    c.add_argument("--backend", action="append",
-                   help="built-in name or pkg.module:factory (repeatable; default: every built-in path)")
+    c.add_argument(
+        "--backend",
+        action="append",
+        help="built-in name or pkg.module:factory (repeatable; default: every built-in path)",
+    )
     c.add_argument("--engine", default="reference", help="engine factory (default: reference)")
-    c.add_argument("--receivers", default="auto", help="receiver counts for multi-receiver tests (default: auto)")
-    c.add_argument("--profile", default=os.environ.get("HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"])
+    c.add_argument(
+        "--receivers", default="auto", help="receiver counts for multi-receiver tests (default: auto)"
+    )
+    c.add_argument(
+        "--profile", default=os.environ.get("HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"]
+    )
     c.add_argument("--out", default="reports", help="report directory (default: reports/)")
     c.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64], help="throughput payload sizes")
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--no-bench", action="store_true", help="skip the throughput table")
-    c.add_argument("--floor", action="append", default=[], metavar="PATH=RATIO",
-                   help="throughput gate of a path: its ratio to the ceiling at 64 MiB and up (repeatable; "
-                        "defaults in harness.bench.CPU_FLOORS; see docs/performance.md)")
+    c.add_argument(
+        "--floor",
+        action="append",
+        default=[],
+        metavar="PATH=RATIO",
+        help="throughput gate of a path: its ratio to the ceiling at 64 MiB and up (repeatable; "
+        "defaults in harness.bench.CPU_FLOORS; see docs/performance.md)",
+    )
     c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
-    b = sub.add_parser("bench", help="throughput, breakdown and scaling tables with plots; gated by ratio floors")
-    b.add_argument("--backend", action="append", help="built-in name or pkg.module:factory (default: every built-in path)")
+    b = sub.add_parser(
+        "bench", help="throughput, breakdown and scaling tables with plots; gated by ratio floors"
+    )
+    b.add_argument(
+        "--backend",
+        action="append",
+        help="built-in name or pkg.module:factory (default: every built-in path)",
+    )
     b.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256])
     b.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 3])
-    b.add_argument("--delta-fractions", type=float, nargs="+", default=[0.001, 0.01, 0.05, 0.25, 0.5],
-                   help="changed fractions for delta paths (the crossover sweep: largest size, fewest receivers)")
+    b.add_argument(
+        "--delta-fractions",
+        type=float,
+        nargs="+",
+        default=[0.001, 0.01, 0.05, 0.25, 0.5],
+        help="changed fractions for delta paths (the crossover sweep: largest size, fewest receivers)",
+    )
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--floor", action="append", default=[], metavar="PATH=RATIO")
     b.add_argument("--out", default="reports")

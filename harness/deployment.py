@@ -34,7 +34,10 @@ REFUSALS = (ManifestMismatch, VersionError, LifecycleError, UnknownTensorError)
 
 
 def deliver(
-    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None,
+    deployment: Deployment,
+    version: int,
+    named_tensors: Mapping[str, torch.Tensor],
+    timeout: float | None = None,
     clock: Clock | None = None,
 ) -> JSON:
     """prepare(), then the data plane: transmit on the sender while every receiver runs
@@ -53,7 +56,9 @@ def deliver(
     pool.shutdown(wait=False)  # a stuck party must not hang the trainer; the error says who
     if pending:
         who = ["the sender" if futures.index(f) == 0 else f"receiver {futures.index(f) - 1}" for f in pending]
-        raise TransferError(f"delivery of version {version}: {', '.join(who)} still running after {timeout:g}s")
+        raise TransferError(
+            f"delivery of version {version}: {', '.join(who)} still running after {timeout:g}s"
+        )
     errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
     if errors:
         primary = _most_telling(errors)
@@ -68,6 +73,7 @@ def deliver(
 def _most_telling(errors: list[tuple[int, BaseException]]) -> BaseException:
     """The trainer's own exception (the root cause), else a rank that died or hung (named), else
     another transfer failure, else the first refusal; the others are attached as notes."""
+
     def rank(item):
         i, exc = item
         if i == 0 and not isinstance(exc, WeightSyncError):
@@ -77,13 +83,19 @@ def _most_telling(errors: list[tuple[int, BaseException]]) -> BaseException:
     errors = sorted(errors, key=rank)
     primary = errors[0][1]
     for i, exc in errors[1:]:
-        primary.add_note(f"also, {'the sender' if i == 0 else f'receiver {i - 1}'}: {type(exc).__name__}: {exc}")
+        primary.add_note(
+            f"also, {'the sender' if i == 0 else f'receiver {i - 1}'}: {type(exc).__name__}: {exc}"
+        )
     return primary
 
 
 def push(
-    deployment: Deployment, version: int, named_tensors: Mapping[str, torch.Tensor], timeout: float | None = None,
-    timings: dict[str, float] | None = None, on_lap: Callable[[str], None] | None = None,
+    deployment: Deployment,
+    version: int,
+    named_tensors: Mapping[str, torch.Tensor],
+    timeout: float | None = None,
+    timings: dict[str, float] | None = None,
+    on_lap: Callable[[str], None] | None = None,
 ) -> None:
     """The full lifecycle, as a trainer drives it: recover from an earlier failure if needed, start on
     every engine, deliver, finish(version) everywhere. If any party fails, every receiver that started

@@ -90,14 +90,20 @@ if triton is not None:
         if WIDE:  # 64-bit products masked to 32 bits: right whatever type the constants get
             w64 = w.to(tl.uint64)
             i64 = i.to(tl.uint64)
-            x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-            y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+            x = (((w64 ^ ((i64 * k1.to(tl.uint64)) & 0xFFFFFFFF)) * k2.to(tl.uint64)) & 0xFFFFFFFF).to(
+                tl.uint32
+            )
+            y = (((w64 ^ ((i64 * k3.to(tl.uint64)) & 0xFFFFFFFF)) * k4.to(tl.uint64)) & 0xFFFFFFFF).to(
+                tl.uint32
+            )
         else:  # uint32 products wrap mod 2^32: what the definition says
             x = (w ^ (i * k1.to(tl.uint32))) * k2.to(tl.uint32)
             y = (w ^ (i * k3.to(tl.uint32))) * k4.to(tl.uint32)
         x = x ^ (x >> 16)
         y = y ^ (y >> 13)
-        return tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64), tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
+        return tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64), tl.where(mask, y, tl.zeros_like(y)).to(
+            tl.uint64
+        )
 
     @triton.jit
     def _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y):
@@ -105,6 +111,7 @@ if triton is not None:
         base = partial_ptr + (t * nprog + pid) * 2
         tl.store(base, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
         tl.store(base + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
+
 
 _status: dict[str, str] = {}
 
@@ -160,7 +167,9 @@ def _run(kernel, wide: bool, words: torch.Tensor, out: torch.Tensor) -> None:
     n = words.numel()
     blocks = (n + BLOCK - 1) // BLOCK
     programs = min(_programs(words.device.index or 0) if words.device.type == "cuda" else 3, blocks)
-    kernel[(programs,)](words, n, (blocks + programs - 1) // programs, out, K1, K2, K3, K4, BLOCK=BLOCK, WIDE=wide)
+    kernel[(programs,)](
+        words, n, (blocks + programs - 1) // programs, out, K1, K2, K3, K4, BLOCK=BLOCK, WIDE=wide
+    )
 
 
 def _build_kernel():
@@ -168,7 +177,9 @@ def _build_kernel():
         return None
 
     @triton.jit
-    def ws64x2_kernel(words_ptr, n_words, iters, out_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    def ws64x2_kernel(
+        words_ptr, n_words, iters, out_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr, WIDE: tl.constexpr
+    ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         acc_x = tl.zeros([BLOCK], dtype=tl.uint64)
@@ -200,8 +211,11 @@ def launch(words: torch.Tensor, out: torch.Tensor, wide: bool | None = None) -> 
     chosen = _kernel() if words.device.type == "cuda" else None
     if chosen is None:
         sx, sy = reference_sums(words)
-        out += torch.tensor([sx - (1 << 64) if sx >= 1 << 63 else sx, sy - (1 << 64) if sy >= 1 << 63 else sy],
-                            dtype=torch.int64, device=out.device)
+        out += torch.tensor(
+            [sx - (1 << 64) if sx >= 1 << 63 else sx, sy - (1 << 64) if sy >= 1 << 63 else sy],
+            dtype=torch.int64,
+            device=out.device,
+        )
         return
     if n == 0:
         return
@@ -222,7 +236,9 @@ def device_digests(raws: list[torch.Tensor]) -> list[str]:
     else:
         for k, w in enumerate(words):
             launch(w, out[k])
-    return [_format(int(a), int(b), raw.numel()) for (a, b), raw in zip(out.cpu().tolist(), raws, strict=True)]
+    return [
+        _format(int(a), int(b), raw.numel()) for (a, b), raw in zip(out.cpu().tolist(), raws, strict=True)
+    ]
 
 
 # ------------------------------------------------------------------------------------------ many tensors
@@ -236,8 +252,10 @@ def _many_kernel():
     kernel = _build_many_kernel()
     try:
         gen = torch.Generator(device="cuda").manual_seed(1)
-        tensors = [torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device="cuda", generator=gen)
-                   for n in (1, 1023, 1 << 20 | 7, 5, 300_001)]
+        tensors = [
+            torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device="cuda", generator=gen)
+            for n in (1, 1023, 1 << 20 | 7, 5, 300_001)
+        ]
         out = torch.zeros((len(tensors), 2), dtype=torch.int64, device="cuda")
         _run_many(tensors, out, kernel=(kernel, chosen[1]))
         got = [tuple(v & _M64 for v in row) for row in out.cpu().tolist()]
@@ -255,7 +273,9 @@ def _many_kernel():
 def _run_many(words: list[torch.Tensor], out: torch.Tensor, kernel=None) -> None:
     kernel, wide = kernel or _many_kernel()
     device = words[0].device
-    table = torch.tensor([[w.data_ptr(), w.numel()] for w in words], dtype=torch.int64).to(device, non_blocking=True)
+    table = torch.tensor([[w.data_ptr(), w.numel()] for w in words], dtype=torch.int64).to(
+        device, non_blocking=True
+    )
     most = max(w.numel() for w in words)
     programs = max(1, min(_programs(device.index or 0), (most + BLOCK - 1) // BLOCK))
     partial = torch.empty((len(words), programs, 2), dtype=torch.int64, device=device)
@@ -265,8 +285,9 @@ def _run_many(words: list[torch.Tensor], out: torch.Tensor, kernel=None) -> None
 
 def _build_many_kernel():
     @triton.jit
-    def ws64x2_many_kernel(table_ptr, n_tensors, partial_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr,
-                           WIDE: tl.constexpr):
+    def ws64x2_many_kernel(
+        table_ptr, n_tensors, partial_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr, WIDE: tl.constexpr
+    ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         lanes = tl.arange(0, BLOCK).to(tl.int64)
@@ -280,7 +301,9 @@ def _build_many_kernel():
             for it in range(0, iters):
                 offs = (pid + it * nprog).to(tl.int64) * BLOCK + lanes
                 mask = offs < n_words
-                dx, dy = _terms(tl.load(words_ptr + offs, mask=mask, other=0), offs, mask, k1, k2, k3, k4, WIDE)
+                dx, dy = _terms(
+                    tl.load(words_ptr + offs, mask=mask, other=0), offs, mask, k1, k2, k3, k4, WIDE
+                )
                 acc_x += dx
                 acc_y += dy
             _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y)
@@ -299,8 +322,10 @@ def _copy_kernel():
     kernel = _build_copy_kernel()
     try:
         gen = torch.Generator(device="cuda").manual_seed(3)
-        srcs = [torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device="cuda", generator=gen)
-                for n in (1, 1023, 1 << 20 | 7, 300_001)]
+        srcs = [
+            torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int32, device="cuda", generator=gen)
+            for n in (1, 1023, 1 << 20 | 7, 300_001)
+        ]
         dsts = [torch.full_like(s, -1) for s in srcs]  # poisoned: every word must be written
         out = torch.zeros((len(srcs), 2), dtype=torch.int64, device="cuda")
         _run_copy(srcs, dsts, out, kernel=(kernel, chosen[1]))
@@ -322,8 +347,9 @@ def copy_kernel_available() -> bool:
 def _run_copy(srcs: list[torch.Tensor], dsts: list[torch.Tensor], out: torch.Tensor, kernel=None) -> None:
     kernel, wide = kernel or _copy_kernel()
     device = srcs[0].device
-    table = torch.tensor([[s.data_ptr(), d.data_ptr(), s.numel()] for s, d in zip(srcs, dsts, strict=True)],
-                         dtype=torch.int64).to(device, non_blocking=True)
+    table = torch.tensor(
+        [[s.data_ptr(), d.data_ptr(), s.numel()] for s, d in zip(srcs, dsts, strict=True)], dtype=torch.int64
+    ).to(device, non_blocking=True)
     most = max(s.numel() for s in srcs)
     programs = max(1, min(_programs(device.index or 0), (most + BLOCK - 1) // BLOCK))
     partial = torch.empty((len(srcs), programs, 2), dtype=torch.int64, device=device)
@@ -345,8 +371,9 @@ def copy_and_digest(raws: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[
 
 def _build_copy_kernel():
     @triton.jit
-    def ws64x2_copy_kernel(table_ptr, n_tensors, partial_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr,
-                           WIDE: tl.constexpr):
+    def ws64x2_copy_kernel(
+        table_ptr, n_tensors, partial_ptr, k1, k2, k3, k4, BLOCK: tl.constexpr, WIDE: tl.constexpr
+    ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         lanes = tl.arange(0, BLOCK).to(tl.int64)
@@ -406,8 +433,9 @@ def _bucket_kernel():
     return kernel, chosen[1]
 
 
-def _run_bucket(src: torch.Tensor, dst: torch.Tensor, segments: list[tuple[int, int]], out: torch.Tensor,
-                kernel=None) -> None:
+def _run_bucket(
+    src: torch.Tensor, dst: torch.Tensor, segments: list[tuple[int, int]], out: torch.Tensor, kernel=None
+) -> None:
     kernel, wide = kernel or _bucket_kernel()
     table = torch.tensor(segments, dtype=torch.int64).to(src.device, non_blocking=True)
     most = max(n for _, n in segments)
@@ -417,12 +445,20 @@ def _run_bucket(src: torch.Tensor, dst: torch.Tensor, segments: list[tuple[int, 
     out += partial.sum(dim=1)
 
 
-def copy_and_digest_bucket(buf: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, list[str]] | None:
+def copy_and_digest_bucket(
+    buf: torch.Tensor, ranges: list[tuple[int, int]]
+) -> tuple[torch.Tensor, list[str]] | None:
     """One copy of a GPU bucket (flat uint8) and the ws64x2 digest of each (byte offset, byte length) range
     of it, in one pass; None where that cannot be done exactly (no kernel, a range not a whole number of
     words or not 16-byte aligned): the caller copies per tensor then."""
-    if (buf.device.type != "cuda" or buf.numel() % 4 or buf.data_ptr() % 16 or not ranges
-            or any(off % 16 or n % 4 for off, n in ranges) or _bucket_kernel() is None):
+    if (
+        buf.device.type != "cuda"
+        or buf.numel() % 4
+        or buf.data_ptr() % 16
+        or not ranges
+        or any(off % 16 or n % 4 for off, n in ranges)
+        or _bucket_kernel() is None
+    ):
         return None
     src = buf.view(torch.int32)
     dst = torch.empty_like(src)
@@ -434,8 +470,19 @@ def copy_and_digest_bucket(buf: torch.Tensor, ranges: list[tuple[int, int]]) -> 
 
 def _build_bucket_kernel():
     @triton.jit
-    def ws64x2_bucket_kernel(src_ptr, dst_ptr, seg_ptr, n_segments, partial_ptr, k1, k2, k3, k4,
-                             BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    def ws64x2_bucket_kernel(
+        src_ptr,
+        dst_ptr,
+        seg_ptr,
+        n_segments,
+        partial_ptr,
+        k1,
+        k2,
+        k3,
+        k4,
+        BLOCK: tl.constexpr,
+        WIDE: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         lanes = tl.arange(0, BLOCK).to(tl.int64)

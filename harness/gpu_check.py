@@ -58,7 +58,9 @@ def copy_ceiling() -> list[dict]:
         src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
         dst = torch.empty_like(src)
         t = _timed(lambda: dst.copy_(src))
-        rows.append({"size": size, "time_s": t, "gbs_read_plus_write": 2 * size / t / 1e9, "gbs": size / t / 1e9})
+        rows.append(
+            {"size": size, "time_s": t, "gbs_read_plus_write": 2 * size / t / 1e9, "gbs": size / t / 1e9}
+        )
     return rows
 
 
@@ -88,7 +90,10 @@ def digests_on_device() -> dict:
     from harness import device_digest as dd
     from harness.manifest import as_bytes, digests
 
-    out: dict = {"kernel": dd.kernel_status(), "copy_kernel": dd.copy_kernel_available() and dd._status.get("copy")}
+    out: dict = {
+        "kernel": dd.kernel_status(),
+        "copy_kernel": dd.copy_kernel_available() and dd._status.get("copy"),
+    }
     gen = torch.Generator().manual_seed(11)
     mismatches = []
     for n in (1, 2, 3, 4, 5, 1023, 4097, (1 << 20) + 3, (64 << 20) + 1):
@@ -96,7 +101,9 @@ def digests_on_device() -> dict:
         on_gpu, on_cpu = dd.device_digests([raw.cuda()])[0], dd.reference_digest(raw)
         ref_gpu = dd.reference_digest(raw.cuda())  # the reference's torch ops on the GPU
         if not on_gpu == on_cpu == ref_gpu:
-            mismatches.append({"bytes": n, "kernel": on_gpu, "reference_cpu": on_cpu, "reference_gpu": ref_gpu})
+            mismatches.append(
+                {"bytes": n, "kernel": on_gpu, "reference_cpu": on_cpu, "reference_gpu": ref_gpu}
+            )
     out["kernel_vs_reference_mismatches"] = mismatches
     rows = []
     for size in (256 << 20, 1 << 30, 4 << 30):
@@ -108,7 +115,9 @@ def digests_on_device() -> dict:
         variants = {}
         if dd.kernel_status().startswith("triton"):
             for wide in (False, True):  # both kernel variants, whichever was chosen
-                variants["64-bit" if wide else "32-bit"] = size / _event_time(lambda: dd.launch(one, acc, wide=wide)) / 1e9
+                variants["64-bit" if wide else "32-bit"] = (
+                    size / _event_time(lambda: dd.launch(one, acc, wide=wide)) / 1e9
+                )
         del copy_dst
         model = _model_like(size, "cuda", seed=size % 991, n=max(8, size >> 24))  # ~16 MiB tensors
         t_model = _timed(lambda: digests(list(model.values())))  # host wall time: launches + one transfer
@@ -121,13 +130,20 @@ def digests_on_device() -> dict:
             per.cpu()
 
         t_per_tensor = _timed(per_tensor)
-        rows.append({"size": size, "copy_gbs_read_plus_write": 2 * size / t_copy / 1e9,
-                     "digest_one_tensor_ms": t_one * 1e3, "digest_one_tensor_gbs": size / t_one / 1e9,
-                     "digest_ratio_to_copy_read_bw": (size / t_one) / (2 * size / t_copy),
-                     "variants_gbs": variants,
-                     "tensors": len(model), "digest_model_ms": t_model * 1e3,
-                     "digest_model_per_tensor_launches_ms": t_per_tensor * 1e3,
-                     "digest_model_gbs": size / t_model / 1e9})
+        rows.append(
+            {
+                "size": size,
+                "copy_gbs_read_plus_write": 2 * size / t_copy / 1e9,
+                "digest_one_tensor_ms": t_one * 1e3,
+                "digest_one_tensor_gbs": size / t_one / 1e9,
+                "digest_ratio_to_copy_read_bw": (size / t_one) / (2 * size / t_copy),
+                "variants_gbs": variants,
+                "tensors": len(model),
+                "digest_model_ms": t_model * 1e3,
+                "digest_model_per_tensor_launches_ms": t_per_tensor * 1e3,
+                "digest_model_gbs": size / t_model / 1e9,
+            }
+        )
         del one, model, words
     out["throughput"] = rows
     out["bucket_kernel"] = dd._bucket_kernel() is not None and dd._status.get("bucket")
@@ -143,19 +159,31 @@ def digests_on_device() -> dict:
         words = bucket.view(torch.int32)
         dst = torch.empty_like(words)
         acc = torch.zeros((len(ranges), 2), dtype=torch.int64, device="cuda")
-        t_kernel = (_event_time(lambda: dd._run_bucket(words, dst, [(o // 4, n // 4) for o, n in ranges], acc))
-                    if out["bucket_kernel"] else None)
-        fused.append({"size": size, "tensors": len(model), "clone_ms": t_clone * 1e3,
-                      "clone_then_verify_ms": t_clone_then_verify * 1e3, "copy_and_digest_ms": t_fused * 1e3,
-                      "bucket_kernel_ms": t_kernel * 1e3 if t_kernel else None,
-                      "kernel_over_clone": t_kernel / t_clone if t_kernel else None})
+        t_kernel = (
+            _event_time(lambda: dd._run_bucket(words, dst, [(o // 4, n // 4) for o, n in ranges], acc))
+            if out["bucket_kernel"]
+            else None
+        )
+        fused.append(
+            {
+                "size": size,
+                "tensors": len(model),
+                "clone_ms": t_clone * 1e3,
+                "clone_then_verify_ms": t_clone_then_verify * 1e3,
+                "copy_and_digest_ms": t_fused * 1e3,
+                "bucket_kernel_ms": t_kernel * 1e3 if t_kernel else None,
+                "kernel_over_clone": t_kernel / t_clone if t_kernel else None,
+            }
+        )
         del model, bucket, dst, words
     out["receiver_copy"] = fused
     manifests = []
     for size, algos in ((256 << 20, ("auto", "xxh3")), (1 << 30, ("auto", "xxh3")), (4 << 30, ("auto",))):
         model = _model_like(size, "cuda", seed=7, n=max(8, size >> 24))
         for algo in algos:
-            t_build = _timed(lambda: Manifest.build(1, model, 64 << 20, digest_algorithm=algo), repeats=3, warmup=1)
+            t_build = _timed(
+                lambda: Manifest.build(1, model, 64 << 20, digest_algorithm=algo), repeats=3, warmup=1
+            )
             manifest = Manifest.build(1, model, 64 << 20, digest_algorithm=algo)
             t_verify = _timed(lambda: manifest.verify_all(model), repeats=3, warmup=1)
             flipped = dict(model)
@@ -163,8 +191,16 @@ def digests_on_device() -> dict:
             flipped[victim] = model[victim].clone()
             as_bytes(flipped[victim])[12345] ^= 4
             caught = manifest.wrong(flipped) == [victim]
-            manifests.append({"size": size, "algorithm": algo, "tensors": len(model), "build_ms": t_build * 1e3,
-                              "verify_ms": t_verify * 1e3, "flipped_bit_caught": caught})
+            manifests.append(
+                {
+                    "size": size,
+                    "algorithm": algo,
+                    "tensors": len(model),
+                    "build_ms": t_build * 1e3,
+                    "verify_ms": t_verify * 1e3,
+                    "flipped_bit_caught": caught,
+                }
+            )
         del model
     out["manifest"] = manifests
     return out
@@ -174,9 +210,17 @@ def _bcast_worker(rank: int, port: int, queue) -> None:
     from harness.paths.broadcast import broadcast_buckets, make_group
 
     torch.cuda.set_device(rank)
-    group = make_group("nccl", "127.0.0.1", port, rank, 2, 120.0,
-                       store=torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
-                                                        timeout=datetime.timedelta(seconds=120)))
+    group = make_group(
+        "nccl",
+        "127.0.0.1",
+        port,
+        rank,
+        2,
+        120.0,
+        store=torch.distributed.TCPStore(
+            "127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120)
+        ),
+    )
     out = []
     for size in BCAST_SIZES:
         # bare NCCL broadcast of one buffer: the ceiling
@@ -184,16 +228,27 @@ def _bcast_worker(rank: int, port: int, queue) -> None:
         bare = _timed(lambda: group.broadcast(buf, 0).wait())
         del buf
         # the path: pack (rank 0), broadcast the bucket, unpack typed copies (rank 1), bucket = 64 MiB
-        weights = _payload(size, "cuda", seed=size % 997, n=max(8, size >> 26))  # ~64 MiB tensors, like a model
+        weights = _payload(
+            size, "cuda", seed=size % 997, n=max(8, size >> 26)
+        )  # ~64 MiB tensors, like a model
         manifest = Manifest.build(1, weights, 64 << 20)
         received: dict = {}
 
         def path_once():  # the path's own double-buffered loop (harness.paths.broadcast)
-            buckets = ((manifest.pack_bucket(b, weights, device="cuda") if rank == 0 else
-                        torch.empty(bsize, dtype=torch.uint8, device="cuda"), f"bucket {b}")
-                       for b, bsize in enumerate(manifest.bucket_sizes))
-            broadcast_buckets(group, buckets,
-                              (lambda b, bb: received.update(manifest.unpack_bucket(b, bb))) if rank == 1 else None)
+            buckets = (
+                (
+                    manifest.pack_bucket(b, weights, device="cuda")
+                    if rank == 0
+                    else torch.empty(bsize, dtype=torch.uint8, device="cuda"),
+                    f"bucket {b}",
+                )
+                for b, bsize in enumerate(manifest.bucket_sizes)
+            )
+            broadcast_buckets(
+                group,
+                buckets,
+                (lambda b, bb: received.update(manifest.unpack_bucket(b, bb))) if rank == 1 else None,
+            )
 
         t_path = _timed(path_once)
         wrong = len(manifest.wrong(received)) if rank == 1 else 0
@@ -212,10 +267,22 @@ def _bcast_worker(rank: int, port: int, queue) -> None:
         e2e_wrong = int(flag.item())
         t_build = _timed(lambda: Manifest.build(1, weights, 64 << 20)) if rank == 0 else None
         t_verify = _timed(lambda: manifest.verify_all(received)) if rank == 1 else None
-        out.append({"size": manifest.total_bytes, "tensors": len(weights), "bare_nccl_s": bare, "path_s": t_path,
-                    "e2e_s": t_e2e, "digest_build_s": t_build, "verify_s": t_verify, "wrong": wrong,
-                    "e2e_wrong": e2e_wrong, "digest": manifest.entries[0].digest.split(":")[0] if ":" in
-                    manifest.entries[0].digest else "xxh3"})
+        out.append(
+            {
+                "size": manifest.total_bytes,
+                "tensors": len(weights),
+                "bare_nccl_s": bare,
+                "path_s": t_path,
+                "e2e_s": t_e2e,
+                "digest_build_s": t_build,
+                "verify_s": t_verify,
+                "wrong": wrong,
+                "e2e_wrong": e2e_wrong,
+                "digest": manifest.entries[0].digest.split(":")[0]
+                if ":" in manifest.entries[0].digest
+                else "xxh3",
+            }
+        )
         del weights, received, manifest
         torch.cuda.empty_cache()
     queue.put((rank, out))
@@ -236,13 +303,24 @@ def nccl_broadcast() -> list[dict]:
     rows = []
     for r0, r1 in zip(results[0], results[1]):
         size = r0["size"]
-        rows.append({"size": size, "tensors": r0["tensors"], "digest": r0["digest"],
-                     "path_s": r0["path_s"], "path_gbs": size / r0["path_s"] / 1e9,
-                     "bare_nccl_gbs": size / r0["bare_nccl_s"] / 1e9, "ratio": r0["bare_nccl_s"] / r0["path_s"],
-                     "e2e_s": r0["e2e_s"], "e2e_gbs": size / r0["e2e_s"] / 1e9,
-                     "e2e_ratio": r0["bare_nccl_s"] / r0["e2e_s"],
-                     "digest_build_s": r0["digest_build_s"], "verify_s": r1["verify_s"],
-                     "wrong": r1["wrong"], "e2e_wrong": r1["e2e_wrong"]})
+        rows.append(
+            {
+                "size": size,
+                "tensors": r0["tensors"],
+                "digest": r0["digest"],
+                "path_s": r0["path_s"],
+                "path_gbs": size / r0["path_s"] / 1e9,
+                "bare_nccl_gbs": size / r0["bare_nccl_s"] / 1e9,
+                "ratio": r0["bare_nccl_s"] / r0["path_s"],
+                "e2e_s": r0["e2e_s"],
+                "e2e_gbs": size / r0["e2e_s"] / 1e9,
+                "e2e_ratio": r0["bare_nccl_s"] / r0["e2e_s"],
+                "digest_build_s": r0["digest_build_s"],
+                "verify_s": r1["verify_s"],
+                "wrong": r1["wrong"],
+                "e2e_wrong": r1["e2e_wrong"],
+            }
+        )
     return rows
 
 
@@ -255,12 +333,14 @@ def _ipc_worker(handle_info: dict, device: str, queue) -> None:
         receiver.fuse_verify = False
 
         def once():
-            return receiver._receive(manifest, handle_info)  # noqa: SLF001 - the data plane alone
+            return receiver._receive(manifest, handle_info)
 
         t = _timed(once, repeats=5)
         got = once()
         wrong = len(manifest.wrong(got))
-        t_verified = _timed(lambda: manifest.verify_all(once()), repeats=5)  # copy, then a second pass to verify
+        t_verified = _timed(
+            lambda: manifest.verify_all(once()), repeats=5
+        )  # copy, then a second pass to verify
         receiver.fuse_verify = True
 
         def fused_once():  # copy and digest in one pass; whatever was not covered is verified after
@@ -271,8 +351,16 @@ def _ipc_worker(handle_info: dict, device: str, queue) -> None:
 
         t_fused = _timed(fused_once, repeats=5)
         fused_all = len(receiver.verified_in_transfer) == len(manifest.entries)
-        queue.put({"device": device, "time_s": t, "verified_time_s": t_verified, "fused_verified_time_s": t_fused,
-                   "fused_covered_every_tensor": fused_all, "wrong": wrong})
+        queue.put(
+            {
+                "device": device,
+                "time_s": t,
+                "verified_time_s": t_verified,
+                "fused_verified_time_s": t_fused,
+                "fused_covered_every_tensor": fused_all,
+                "wrong": wrong,
+            }
+        )
     except Exception as exc:  # noqa: BLE001 - reported in the results
         queue.put({"device": device, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -325,19 +413,32 @@ def delta_on_gpu() -> list[dict]:
             state["enc"], state["vals"] = codec.encode_indices(i, old.numel()), codec.gather_values(new, i)
 
         def apply():
-            state["out"] = codec.apply_patch(old, codec.decode_indices(state["enc"], old.numel()), state["vals"])
+            state["out"] = codec.apply_patch(
+                old, codec.decode_indices(state["enc"], old.numel()), state["vals"]
+            )
 
         t_ex, t_ap = _timed(extract), _timed(apply)
         gb = old.numel() * 2 / 1e9
         exact = torch.equal(codec.int_view(state["out"]), codec.int_view(new))
-        rows.append({"fraction": fraction, "gb": gb, "extract_gb_per_s": gb / t_ex, "apply_gb_per_s": gb / t_ap,
-                     "moved_over_dense": (state["enc"].data.numel() + state["vals"].numel()) / (old.numel() * 2),
-                     "encoding": state["enc"].encoding, "exact": exact})
+        rows.append(
+            {
+                "fraction": fraction,
+                "gb": gb,
+                "extract_gb_per_s": gb / t_ex,
+                "apply_gb_per_s": gb / t_ap,
+                "moved_over_dense": (state["enc"].data.numel() + state["vals"].numel()) / (old.numel() * 2),
+                "encoding": state["enc"].encoding,
+                "exact": exact,
+            }
+        )
     return rows
 
 
-GPU_BACKENDS = ("harness.paths.broadcast:make_nccl_backend", "harness.paths.ipc:make_cuda_backend",
-                "harness.paths.delta:make_nccl_backend")
+GPU_BACKENDS = (
+    "harness.paths.broadcast:make_nccl_backend",
+    "harness.paths.ipc:make_cuda_backend",
+    "harness.paths.delta:make_nccl_backend",
+)
 
 
 def conformance(out: Path, timeout_s: float) -> list[dict]:
@@ -349,14 +450,38 @@ def conformance(out: Path, timeout_s: float) -> list[dict]:
             continue
         slug = name.split(":")[0].rsplit(".", 1)[-1] + "-" + name.split(":")[1]
         results = out / f"conformance-{slug}.json"
-        cmd = [sys.executable, "-m", "pytest", "suites/conformance", "-q", "-p", "harness.pytest_plugin",
-               "-p", "no:cacheprovider", f"--weightsync-backend={name}", "--weightsync-receivers=1",
-               f"--weightsync-results={results}", "--timeout=300", "--durations=5", f"--basetemp={out / ('tmp-' + slug)}",
-               "--deselect", "suites/conformance/test_torchrun.py", "--deselect", "suites/conformance/test_supervision.py"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "suites/conformance",
+            "-q",
+            "-p",
+            "harness.pytest_plugin",
+            "-p",
+            "no:cacheprovider",
+            f"--weightsync-backend={name}",
+            "--weightsync-receivers=1",
+            f"--weightsync-results={results}",
+            "--timeout=300",
+            "--durations=5",
+            f"--basetemp={out / ('tmp-' + slug)}",
+            "--deselect",
+            "suites/conformance/test_torchrun.py",
+            "--deselect",
+            "suites/conformance/test_supervision.py",
+        ]
         log = open(out / f"pytest-{slug}.log", "w")  # noqa: SIM115 - closed below
         env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT on timeout dumps every thread's stack
-        runs.append((name, results, log, time.time(),
-                     subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)))
+        runs.append(
+            (
+                name,
+                results,
+                log,
+                time.time(),
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+            )
+        )
     rows = []
     for name, results, log, t0, proc in runs:
         try:
@@ -371,12 +496,23 @@ def conformance(out: Path, timeout_s: float) -> list[dict]:
         log.close()
         data = json.loads(results.read_text()) if results.exists() else {"tests": {}}
         statuses = [t.get("status") for t in data["tests"].values()]
-        rows.append({"backend": name, "exit": proc.returncode, "seconds": round(time.time() - t0, 1),
-                     "passed": statuses.count("passed"), "failed": statuses.count("failed"),
-                     "not_supported": statuses.count("not_supported"),
-                     "complete": data.get("complete", False), "stopped_in": data.get("running"),
-                     "failures": {k: v.get("message", "")[-600:] for k, v in data["tests"].items()
-                                  if v.get("status") == "failed"}})
+        rows.append(
+            {
+                "backend": name,
+                "exit": proc.returncode,
+                "seconds": round(time.time() - t0, 1),
+                "passed": statuses.count("passed"),
+                "failed": statuses.count("failed"),
+                "not_supported": statuses.count("not_supported"),
+                "complete": data.get("complete", False),
+                "stopped_in": data.get("running"),
+                "failures": {
+                    k: v.get("message", "")[-600:]
+                    for k, v in data["tests"].items()
+                    if v.get("status") == "failed"
+                },
+            }
+        )
     return rows
 
 
@@ -389,18 +525,29 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "python": sys.version.split()[0],
-        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "python": sys.version.split()[0],
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
     }
     try:
-        env["topology"] = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+        env["topology"] = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         env["topology"] = "n/a"
     results: dict = {"environment": env}
-    for name, fn in (("copy_ceiling", copy_ceiling), ("digests", digests_on_device), ("nccl_broadcast", nccl_broadcast),
-                     ("cuda_ipc", cuda_ipc), ("delta_gpu", delta_on_gpu)):
+    for name, fn in (
+        ("copy_ceiling", copy_ceiling),
+        ("digests", digests_on_device),
+        ("nccl_broadcast", nccl_broadcast),
+        ("cuda_ipc", cuda_ipc),
+        ("delta_gpu", delta_on_gpu),
+    ):
         if args.only is not None and name not in args.only:
             continue
         t0 = time.time()

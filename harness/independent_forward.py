@@ -39,8 +39,10 @@ class Disagreement:
     tolerance: float
 
     def __str__(self) -> str:
-        return (f"token {self.position}: engine {self.engine_token}, independent forward {self.expected_token} "
-                f"(its logit {self.gap:.4g} higher; tolerance {self.tolerance:.2g})")
+        return (
+            f"token {self.position}: engine {self.engine_token}, independent forward {self.expected_token} "
+            f"(its logit {self.gap:.4g} higher; tolerance {self.tolerance:.2g})"
+        )
 
 
 class IndependentForward:
@@ -50,12 +52,16 @@ class IndependentForward:
         try:
             import transformers
         except ImportError as exc:
-            raise OracleUnavailable(f"no independent forward: transformers is not installed ({INSTALL_HINT})") from exc
+            raise OracleUnavailable(
+                f"no independent forward: transformers is not installed ({INSTALL_HINT})"
+            ) from exc
         config = dict(model_config)
         model_type = config.pop("model_type", None)
         if model_type is None:
             raise OracleUnavailable("the engine's model_config() names no model_type")
-        self.dtype_name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+        self.dtype_name = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix(
+            "torch."
+        )
         try:
             hf_config = transformers.AutoConfig.for_model(model_type, **config)
         except ValueError as exc:
@@ -70,9 +76,13 @@ class IndependentForward:
         state = self.model.state_dict()
         missing = sorted(n for n in self._parameters if n not in checkpoint)
         if missing:
-            raise ValueError(f"the checkpoint lacks model tensor(s) {missing[:5]} (of {len(self._parameters)})")
+            raise ValueError(
+                f"the checkpoint lacks model tensor(s) {missing[:5]} (of {len(self._parameters)})"
+            )
         for name in self._parameters:
-            state[name].copy_(checkpoint[name].to(torch.float32))  # a tied head shares the embedding's storage
+            state[name].copy_(
+                checkpoint[name].to(torch.float32)
+            )  # a tied head shares the embedding's storage
         return self
 
     @torch.inference_mode()

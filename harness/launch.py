@@ -70,7 +70,9 @@ class _RankServer:
         self.streams: dict[str, RequestStream] = {}
         self.load: InPlaceLoad | None = None  # an in-place load the parent opened on this rank's engine
 
-    def handle(self, op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> tuple[Any, Any]:
+    def handle(
+        self, op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None
+    ) -> tuple[Any, Any]:
         """Returns (JSON result, tensors or None)."""
         e, r = self.engine, self.receiver
         if op == "init_transfer_engine":
@@ -119,11 +121,15 @@ class _RankServer:
             out = {}
             for rid, after in args["after"].items():
                 stream = self.streams.get(rid)
-                out[rid] = [wire.event_to_json(ev) for ev in stream.events_after(after, 0.0)] if stream else []
+                out[rid] = (
+                    [wire.event_to_json(ev) for ev in stream.events_after(after, 0.0)] if stream else []
+                )
             if not any(out.values()) and args["after"]:
                 rid, after = next(iter(args["after"].items()))
                 if rid in self.streams:
-                    out[rid] = [wire.event_to_json(ev) for ev in self.streams[rid].events_after(after, args["wait"])]
+                    out[rid] = [
+                        wire.event_to_json(ev) for ev in self.streams[rid].events_after(after, args["wait"])
+                    ]
             for rid, events in out.items():
                 if events and events[-1]["finish_reason"] is not None:
                     self.streams.pop(rid, None)
@@ -159,10 +165,12 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     if not getattr(load_object(engine_path(engine_name)), "manages_threads", False):
-        torch.set_num_threads(1)  # N ranks share the host's cores (an engine that binds its own is left alone)
+        torch.set_num_threads(
+            1
+        )  # N ranks share the host's cores (an engine that binds its own is left alone)
     try:
         server = _RankServer(rank, receiver_path, engine_name, wire.spec_from_json(spec_json))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+    except BaseException as exc:
         conn.send_bytes(wire.dumps({"ok": False, "error": wire.error_to_json(exc)}))
         raise
     conn.send_bytes(wire.dumps({"ok": True, "result": os.getpid()}))
@@ -255,7 +263,9 @@ class RankProcess:
         except OSError:
             return "(no log)"
 
-    def call(self, op: str, timeout: float | None = None, tensors: Mapping[str, torch.Tensor] | None = None, **args):
+    def call(
+        self, op: str, timeout: float | None = None, tensors: Mapping[str, torch.Tensor] | None = None, **args
+    ):
         with self._lock:
             if self._broken:
                 raise RankFailure(f"rank {self.rank} is unusable: {self._broken}")
@@ -266,7 +276,9 @@ class RankProcess:
             except OSError as exc:  # BrokenPipe: the rank is gone
                 self.process.join(1.0)
                 self._broken = f"died ({describe_exit(self.process.exitcode)}) before {op} ({exc})"
-                raise RankFailure(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}") from None
+                raise RankFailure(
+                    f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}"
+                ) from None
             return self._reply(op, timeout or self.timeout)
 
     def _reply(self, op: str, timeout: float):
@@ -274,17 +286,23 @@ class RankProcess:
         while not self._conn.poll(POLL_INTERVAL):
             if not self.process.is_alive():
                 self._broken = f"died ({describe_exit(self.process.exitcode)}) during {op}"
-                raise RankFailure(f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}")
+                raise RankFailure(
+                    f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}"
+                )
             if time.monotonic() > deadline:
                 stopped = process_state(self.pid) == "T"  # SIGSTOPped: it cannot dump its stacks
                 if not stopped:
                     os.kill(self.process.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
-                    self.process.join(0.25)  # the dump takes milliseconds; the kill must stay inside the bound
+                    self.process.join(
+                        0.25
+                    )  # the dump takes milliseconds; the kill must stay inside the bound
                 self.process.kill()
                 self.process.join(5.0)
                 why = "it was stopped (SIGSTOP)" if stopped else f"stacks in {self.log_path}"
                 self._broken = f"no reply to {op} within {timeout:g}s (killed; {why})"
-                raise RankFailure(f"rank {self.rank} (pid {self.pid}) gave {self._broken}; log tail:\n{self.log_tail(40)}")
+                raise RankFailure(
+                    f"rank {self.rank} (pid {self.pid}) gave {self._broken}; log tail:\n{self.log_tail(40)}"
+                )
         try:
             header = wire.loads(self._conn.recv_bytes())
             tensors = wire.tensors_from_bytes(self._conn.recv_bytes()) if header.get("tensors") else None
@@ -299,7 +317,7 @@ class RankProcess:
         if self.process.is_alive() and not self._broken:
             try:
                 self.call("exit", timeout=timeout)
-            except Exception:  # noqa: BLE001 - we kill it below anyway
+            except Exception:  # noqa: BLE001, S110 - we kill it below anyway
                 pass
         self.process.join(timeout)
         if self.process.is_alive():
@@ -483,8 +501,9 @@ class RankDeployment(Deployment):
 
     def _spawn_rank(self, rank: int) -> RankProcess:
         """Start receiver rank `rank` (first start and restarts); a subclass may place it elsewhere."""
-        return RankProcess(rank, self._receiver_path, self._engine, self._spec, self._log_dir,
-                           self.timeout_s * RPC_SLACK)
+        return RankProcess(
+            rank, self._receiver_path, self._engine, self._spec, self._log_dir, self.timeout_s * RPC_SLACK
+        )
 
     def _handle_for(self, rank: RankProcess) -> EngineHandle:
         """How the trainer talks to a rank's receiver and engine (here: over its pipe)."""
@@ -501,7 +520,9 @@ class RankDeployment(Deployment):
             except BaseException as exc:  # noqa: BLE001 - collected and re-raised below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=init_one, args=(h, r.rank)) for h, r in zip(self.handles, self.ranks)]
+        threads = [
+            threading.Thread(target=init_one, args=(h, r.rank)) for h, r in zip(self.handles, self.ranks)
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -50,7 +50,9 @@ class Lifecycle:
 
     def check_update(self) -> None:
         if self.state not in (UPDATING, FAILED):
-            raise LifecycleError(f"update_weights outside an update (state {self.state!r}); call start_weight_update")
+            raise LifecycleError(
+                f"update_weights outside an update (state {self.state!r}); call start_weight_update"
+            )
 
     def check_not_failed(self) -> None:
         """Before a part is looked at: a refused part poisons the rest of the update."""
@@ -78,9 +80,13 @@ class Lifecycle:
         if self.state != UPDATING:
             raise LifecycleError(f"finish_weight_update outside an update (state {self.state!r})")
         if self.version is None:
-            raise LifecycleError(f"finish_weight_update({version}) with nothing received; call update_weights")
+            raise LifecycleError(
+                f"finish_weight_update({version}) with nothing received; call update_weights"
+            )
         if version != self.version:
-            raise VersionError(f"finish_weight_update({version}) but the staged tensors are version {self.version}")
+            raise VersionError(
+                f"finish_weight_update({version}) but the staged tensors are version {self.version}"
+            )
 
     def check_abort(self) -> None:
         if self.state == NEW:

@@ -163,7 +163,9 @@ class Manifest:
         items = list(named_tensors.items())
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
-                raise ManifestMismatch(f"version {version}: {name!r} is a {type(tensor).__name__}, not a tensor")
+                raise ManifestMismatch(
+                    f"version {version}: {name!r} is a {type(tensor).__name__}, not a tensor"
+                )
         with phases.phase("digest"):
             sums = digests([t for _, t in items], digest_algorithm)
         for (name, tensor), tensor_digest in zip(items, sums, strict=True):
@@ -252,7 +254,11 @@ class Manifest:
 
     # ------------------------------------------------------------------ buckets
     def pack_bucket(
-        self, bucket: int, named_tensors: Mapping[str, torch.Tensor], device=None, out: torch.Tensor | None = None
+        self,
+        bucket: int,
+        named_tensors: Mapping[str, torch.Tensor],
+        device=None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One flat uint8 buffer holding every tensor of `bucket` at its planned offset (written into
         `out` when given, e.g. straight into a shared-memory segment, saving a copy)."""
@@ -276,8 +282,9 @@ class Manifest:
                 buf[e.offset : e.offset + e.nbytes].copy_(as_bytes(named_tensors[e.name]))
         return buf
 
-    def unpack_bucket(self, bucket: int, buf: torch.Tensor, verified: set[str] | None = None,
-                      adopt: bool = False) -> dict[str, torch.Tensor]:
+    def unpack_bucket(
+        self, bucket: int, buf: torch.Tensor, verified: set[str] | None = None, adopt: bool = False
+    ) -> dict[str, torch.Tensor]:
         """Typed copies of every tensor of `bucket` out of its flat buffer. With `verified` (a set the
         caller owns) and a GPU buffer whose entries carry device digests, the copies are digested in the
         same pass (harness.device_digest.copy_and_digest), a mismatch raises here, and the names that
@@ -286,23 +293,30 @@ class Manifest:
         with phases.phase("unpack"):
             return self._unpack_bucket(bucket, buf, verified, adopt)
 
-    def _unpack_bucket(self, bucket: int, buf: torch.Tensor, verified: set[str] | None,
-                       adopt: bool) -> dict[str, torch.Tensor]:
+    def _unpack_bucket(
+        self, bucket: int, buf: torch.Tensor, verified: set[str] | None, adopt: bool
+    ) -> dict[str, torch.Tensor]:
         if buf.numel() != self.bucket_sizes[bucket]:
             raise ManifestMismatch(
                 f"version {self.version}: bucket {bucket} has {buf.numel()} bytes, plan says "
                 f"{self.bucket_sizes[bucket]}"
             )
         entries = self.bucket_entries(bucket)
-        if (verified is not None and entries and buf.device.type == "cuda"
-                and all(device_digest.is_device_digest(e.digest) for e in entries)
-                and device_digest.copy_kernel_available()):
+        if (
+            verified is not None
+            and entries
+            and buf.device.type == "cuda"
+            and all(device_digest.is_device_digest(e.digest) for e in entries)
+            and device_digest.copy_kernel_available()
+        ):
             whole = device_digest.copy_and_digest_bucket(buf, [(e.offset, e.nbytes) for e in entries])
             if whole is not None:  # one copy of the bucket; each tensor a view of its range
                 copy, sums = whole
                 copies = [copy[e.offset : e.offset + e.nbytes] for e in entries]
             else:
-                copies, sums = device_digest.copy_and_digest([buf[e.offset : e.offset + e.nbytes] for e in entries])
+                copies, sums = device_digest.copy_and_digest(
+                    [buf[e.offset : e.offset + e.nbytes] for e in entries]
+                )
             for e, d in zip(entries, sums, strict=True):
                 if d != e.digest:
                     raise ManifestMismatch(
@@ -310,9 +324,14 @@ class Manifest:
                         f"({e.nbytes} bytes): the payload was corrupted or truncated"
                     )
             verified.update(e.name for e in entries)
-            return {e.name: from_bytes(c, e.shape, e.torch_dtype) for e, c in zip(entries, copies, strict=True)}
+            return {
+                e.name: from_bytes(c, e.shape, e.torch_dtype) for e, c in zip(entries, copies, strict=True)
+            }
         if adopt and buf.device.type == "cpu":
-            return {e.name: from_bytes(buf[e.offset : e.offset + e.nbytes], e.shape, e.torch_dtype) for e in entries}
+            return {
+                e.name: from_bytes(buf[e.offset : e.offset + e.nbytes], e.shape, e.torch_dtype)
+                for e in entries
+            }
         return {
             e.name: from_bytes(buf[e.offset : e.offset + e.nbytes].clone(), e.shape, e.torch_dtype)
             for e in entries
@@ -364,7 +383,9 @@ class Manifest:
                 bucket, offset = int(raw["bucket"]), int(raw["offset"])
                 if not (0 <= bucket < len(sizes)) or offset < 0 or offset + nbytes > sizes[bucket]:
                     raise ManifestMismatch(f"manifest entry {raw['name']!r} lies outside bucket {bucket}")
-                entries.append(TensorEntry(str(raw["name"]), shape, dtype, nbytes, str(raw["digest"]), bucket, offset))
+                entries.append(
+                    TensorEntry(str(raw["name"]), shape, dtype, nbytes, str(raw["digest"]), bucket, offset)
+                )
         except ManifestMismatch:
             raise
         except (KeyError, TypeError, ValueError) as exc:

@@ -27,15 +27,22 @@ def receivers_table(rows: list[SyncRow]) -> list[str]:
     counts = sorted({r.receivers for r in dense})
     if len(counts) < 2:
         return []
-    lines = ["| path | size (MiB) | " + " | ".join(f"{n} rx (ms)" for n in counts) + f" | {counts[-1]} rx / 1 rx |",
-             "| --- | --: | " + " | ".join("--:" for _ in counts) + " | --: |"]
-    for (path, size) in sorted({(r.path, r.size_bytes) for r in dense}):
+    lines = [
+        "| path | size (MiB) | "
+        + " | ".join(f"{n} rx (ms)" for n in counts)
+        + f" | {counts[-1]} rx / 1 rx |",
+        "| --- | --: | " + " | ".join("--:" for _ in counts) + " | --: |",
+    ]
+    for path, size in sorted({(r.path, r.size_bytes) for r in dense}):
         by = {r.receivers: r.time_s for r in dense if r.path == path and r.size_bytes == size}
         if len(by) < 2:
             continue
         growth = f"{by[max(by)] / by[min(by)]:.2f}" if min(by) == counts[0] else "–"
-        lines.append(f"| {path} | {size / 2**20:.0f} | " + " | ".join(f"{by[n] * 1e3:.1f}" if n in by else "–"
-                                                                   for n in counts) + f" | {growth} |")
+        lines.append(
+            f"| {path} | {size / 2**20:.0f} | "
+            + " | ".join(f"{by[n] * 1e3:.1f}" if n in by else "–" for n in counts)
+            + f" | {growth} |"
+        )
     return lines
 
 
@@ -46,10 +53,14 @@ DENSE_OF = {"delta": "broadcast", "delta-ipc": "ipc"}
 def crossover_table(rows: list[SyncRow]) -> tuple[list[str], dict[str, float | None]]:
     """Delta rows by changed fraction against their dense path's time at the same size and receivers; a
     path's crossover is the first fraction at which delta is no faster (None: it paid at every one)."""
-    deltas = sorted((r for r in rows if r.changed), key=lambda r: (r.path, r.receivers, r.size_bytes, r.changed))
+    deltas = sorted(
+        (r for r in rows if r.changed), key=lambda r: (r.path, r.receivers, r.size_bytes, r.changed)
+    )
     dense = {(r.path, r.size_bytes, r.receivers): r for r in rows if not r.changed}
-    lines = ["| delta path | rx | size (MiB) | changed | delta (ms) | dense path | dense (ms) | delta / dense |",
-             "| --- | --: | --: | --: | --: | --- | --: | --: |"]
+    lines = [
+        "| delta path | rx | size (MiB) | changed | delta (ms) | dense path | dense (ms) | delta / dense |",
+        "| --- | --: | --: | --: | --: | --- | --: | --: |",
+    ]
     crossover: dict[str, float | None] = {}
     swept: dict[str, tuple] = {}  # per delta path: the (receivers, size) with the most fractions measured
     for r in deltas:
@@ -67,8 +78,10 @@ def crossover_table(rows: list[SyncRow]) -> tuple[list[str], dict[str, float | N
             crossover.setdefault(r.path, None)
             if ratio >= 1.0 and crossover[r.path] is None:
                 crossover[r.path] = r.changed
-        lines.append(f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | {r.changed:.1%} | "
-                     f"{r.time_s * 1e3:.1f} | {base} | {d.time_s * 1e3:.1f} | {ratio:.2f} |")
+        lines.append(
+            f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | {r.changed:.1%} | "
+            f"{r.time_s * 1e3:.1f} | {base} | {d.time_s * 1e3:.1f} | {ratio:.2f} |"
+        )
     return (lines if len(lines) > 2 else []), crossover
 
 
@@ -95,8 +108,12 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
         groups.setdefault((r.path, r.receivers), []).append(r)
     for (name, rx), group in sorted(groups.items()):
         group.sort(key=lambda r: r.size_bytes)
-        left.plot([r.size_bytes / 2**20 for r in group], [r.time_s * 1e3 for r in group], marker="o",
-                  label=f"{name} {rx}rx")
+        left.plot(
+            [r.size_bytes / 2**20 for r in group],
+            [r.time_s * 1e3 for r in group],
+            marker="o",
+            label=f"{name} {rx}rx",
+        )
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("payload (MiB)")
@@ -107,8 +124,10 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
     by_dense = {(r.path, r.size_bytes, r.receivers): r for r in dense}
     for name in sorted({r.path for r in deltas}):
         mine = [r for r in deltas if r.path == name]
-        swept = max({(r.receivers, r.size_bytes) for r in mine},
-                    key=lambda k: sum(1 for r in mine if (r.receivers, r.size_bytes) == k))
+        swept = max(
+            {(r.receivers, r.size_bytes) for r in mine},
+            key=lambda k: sum(1 for r in mine if (r.receivers, r.size_bytes) == k),
+        )
         pts = sorted((r for r in mine if (r.receivers, r.size_bytes) == swept), key=lambda r: r.changed)
         base = DENSE_OF.get(name, "broadcast")
         xs, ys = [], []
@@ -133,27 +152,45 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
     return True
 
 
-def write_perf_report(out_dir: Path, rows: list[SyncRow], command: str, generated_at: str | None = None) -> Path:
+def write_perf_report(
+    out_dir: Path, rows: list[SyncRow], command: str, generated_at: str | None = None
+) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     failed = gate_failures(rows)
     crossover_lines, crossover = crossover_table(rows)
-    data = {"verdict": "FAIL" if failed else "PASS", "command": command, "environment": env,
-            "generated_at": generated_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "failed": failed,
-            "delta_crossover": crossover, "rows": [r.to_json() for r in rows]}
+    data = {
+        "verdict": "FAIL" if failed else "PASS",
+        "command": command,
+        "environment": env,
+        "generated_at": generated_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "failed": failed,
+        "delta_crossover": crossover,
+        "rows": [r.to_json() for r in rows],
+    }
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
     gated = [r for r in rows if r.changed in (0.0, DEFAULT_CHANGED)]  # the sweep's other fractions: below
-    md = [f"# weightsync bench: {data['verdict']}", "", f"- command: `{command}`",
-          f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
-          f"torch {env['torch']})", ""]
+    md = [
+        f"# weightsync bench: {data['verdict']}",
+        "",
+        f"- command: `{command}`",
+        f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
+        f"torch {env['torch']})",
+        "",
+    ]
     md += throughput_section(gated, out_dir) if gated else []
     rx = receivers_table(rows)
     if rx:
         md += ["", "## Against receivers", ""] + rx
     if crossover_lines:
-        md += ["", "## Delta against dense by changed fraction", "",
-               "Crossover (the first changed fraction at which delta is no faster than the dense path it rides "
-               "on): " + ", ".join(f"{p} {_crossover_text(c, rows, p)}" for p, c in crossover.items()) + ".", ""]
+        md += [
+            "",
+            "## Delta against dense by changed fraction",
+            "",
+            "Crossover (the first changed fraction at which delta is no faster than the dense path it rides "
+            "on): " + ", ".join(f"{p} {_crossover_text(c, rows, p)}" for p, c in crossover.items()) + ".",
+            "",
+        ]
         md += crossover_lines
     if plot_scaling(rows, out_dir / "scaling.png"):
         md += ["", "![scaling](scaling.png)"]
@@ -178,4 +215,6 @@ def redraw(out_dir: Path) -> Path:
     for r in rows:  # written before a part was renamed
         if "control" in r.parts:
             r.parts["other"] = r.parts.pop("control")
-    return write_perf_report(out_dir, rows, command, json.loads((out_dir / "results.json").read_text())["generated_at"])
+    return write_perf_report(
+        out_dir, rows, command, json.loads((out_dir / "results.json").read_text())["generated_at"]
+    )

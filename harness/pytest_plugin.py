@@ -21,7 +21,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from harness.api import ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities, Deployment
-from harness.registry import BUILTIN_BACKENDS, BUILTIN_ENGINES, engine_capabilities, engine_path, resolve_backend
+from harness.registry import (
+    BUILTIN_BACKENDS,
+    BUILTIN_ENGINES,
+    engine_capabilities,
+    engine_path,
+    resolve_backend,
+)
 
 NOT_SUPPORTED = "NOT_SUPPORTED"
 UNKNOWN = "UNKNOWN"  # a fault cell whose outcome could not be established (the nemesis could not act)
@@ -30,14 +36,22 @@ settings.register_profile(
     "ci",
     max_examples=20,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
     print_blob=True,
 )
 settings.register_profile(
     "thorough",
     max_examples=300,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
     print_blob=True,
     phases=list(Phase),
 )
@@ -46,7 +60,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 #: Engines whose tied-embedding sibling is 'reference-tied' (the auto choice of --weightsync-tied-engine)
-REFERENCE_ENGINES = frozenset(BUILTIN_ENGINES[n] for n in ("reference", "reference-bf16", "reference-in-place"))
+REFERENCE_ENGINES = frozenset(
+    BUILTIN_ENGINES[n] for n in ("reference", "reference-bf16", "reference-in-place")
+)
 
 
 @dataclasses.dataclass
@@ -158,8 +174,13 @@ def _selection(config: pytest.Config) -> Selection:
         tied = config.getoption("--weightsync-tied-engine")
         if tied == "auto":
             tied = "reference-tied" if engine in REFERENCE_ENGINES else engine
-        sel = Selection(backends, engine, engine_path(tied), config.getoption("--weightsync-receivers"),
-                        engine_capabilities(engine))
+        sel = Selection(
+            backends,
+            engine,
+            engine_path(tied),
+            config.getoption("--weightsync-receivers"),
+            engine_capabilities(engine),
+        )
         config._weightsync_selection = sel  # type: ignore[attr-defined]
     return sel
 
@@ -196,13 +217,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = []
     for name, b in sel.backends.items():
         caps = json.dumps(sel.capabilities(name).describe(), sort_keys=True)
-        lines.append(f"weightsync: backend={name} ({type(b).__module__}.{type(b).__name__}) receivers={sel.receivers(name)}")
+        lines.append(
+            f"weightsync: backend={name} ({type(b).__module__}.{type(b).__name__}) receivers={sel.receivers(name)}"
+        )
         lines.append(f"weightsync:   capabilities={caps}")
-    lines.append(f"weightsync: engine={sel.engine} tied-engine={sel.tied_engine} "
-                 f"hypothesis profile={settings._current_profile}")  # noqa: SLF001
+    lines.append(
+        f"weightsync: engine={sel.engine} tied-engine={sel.tied_engine} "
+        f"hypothesis profile={settings._current_profile}"
+    )
     if sel.engine_caps is not ENGINE_UNRESTRICTED:
-        lines.append(f"weightsync:   engine limits={json.dumps(sel.engine_caps.describe(), sort_keys=True)} "
-                     "(capabilities above are what backend and engine both claim)")
+        lines.append(
+            f"weightsync:   engine limits={json.dumps(sel.engine_caps.describe(), sort_keys=True)} "
+            "(capabilities above are what backend and engine both claim)"
+        )
     return lines
 
 
@@ -218,7 +245,11 @@ def require(sel: Selection, name: str, *caps: str) -> None:
     c = sel.capabilities(name)
     missing = [cap for cap in caps if not getattr(c, cap)]
     if missing:
-        by = f"backend {name!r}" if sel.engine_caps is ENGINE_UNRESTRICTED else f"backend {name!r} with engine {sel.engine!r}"
+        by = (
+            f"backend {name!r}"
+            if sel.engine_caps is ENGINE_UNRESTRICTED
+            else f"backend {name!r} with engine {sel.engine!r}"
+        )
         pytest.skip(f"{NOT_SUPPORTED}: {by} does not claim {missing}")
 
 
@@ -232,7 +263,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("requires"):
         require(sel, name, *mark.args)
     if n > 1 and not caps.multi_receiver:
-        pytest.skip(f"{NOT_SUPPORTED}: backend {name!r} (with engine {sel.engine!r}) does not claim multi_receiver")
+        pytest.skip(
+            f"{NOT_SUPPORTED}: backend {name!r} (with engine {sel.engine!r}) does not claim multi_receiver"
+        )
     if n > caps.max_receivers:
         pytest.skip(f"{NOT_SUPPORTED}: {n} receivers > max_receivers {caps.max_receivers}")
 
@@ -245,14 +278,18 @@ class DeploymentPool:
         self.workdir = workdir
         self._deployments: dict[tuple[str, int], Deployment] = {}
 
-    def workdir_of(self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None) -> Path:
+    def workdir_of(
+        self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None
+    ) -> Path:
         """The working directory the deployment of (backend, receiver count[, bucket size][, engine]) was given."""
         suffix = f"-{bucket_bytes}B" if bucket_bytes else ""
         if engine not in (None, self.sel.engine):
             suffix += "-" + engine.rpartition(":")[2]
         return self.workdir / f"{name.replace(':', '_').replace('/', '_')}-{n}rx{suffix}"
 
-    def get(self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None) -> Deployment:
+    def get(
+        self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None
+    ) -> Deployment:
         """The deployment of backend `name` with n receivers (optionally in units of `bucket_bytes`, or
         with another engine factory than the one under test)."""
         engine = engine or self.sel.engine
@@ -331,8 +368,10 @@ def tied_deployment(deployment_pool: DeploymentPool, selection: Selection, ws_ta
     dep.reset(None)
     config = dep.handles[0].engine.model_config() or {}
     if not config.get("tie_word_embeddings"):
-        pytest.skip(f"{NOT_SUPPORTED}: engine {selection.tied_engine!r} serves no model with tied embeddings "
-                    "(name one with --weightsync-tied-engine)")
+        pytest.skip(
+            f"{NOT_SUPPORTED}: engine {selection.tied_engine!r} serves no model with tied embeddings "
+            "(name one with --weightsync-tied-engine)"
+        )
     return dep
 
 
@@ -395,7 +434,7 @@ def _write_results(config: pytest.Config, running: str | None = None, exitstatus
         "engine": sel.engine,
         "receivers": {n: sel.receivers(n) for n in names},
         "capabilities": {n: sel.capabilities(n).describe() for n in names},
-        "hypothesis_profile": settings._current_profile,  # noqa: SLF001
+        "hypothesis_profile": settings._current_profile,
         "complete": exitstatus is not None,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "tests": config._weightsync_outcomes,  # type: ignore[attr-defined]

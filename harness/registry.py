@@ -6,7 +6,15 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from harness.api import DEFAULT_ENGINE, ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities, Engine, WeightSpec
+from harness.api import (
+    DEFAULT_ENGINE,
+    ENGINE_UNRESTRICTED,
+    Backend,
+    BackendError,
+    Capabilities,
+    Engine,
+    WeightSpec,
+)
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "disk": "harness.paths.disk:make_backend",
@@ -69,7 +77,9 @@ def engine_path(name: str | None) -> str:
     name = name or "reference"
     path = BUILTIN_ENGINES.get(name, name)
     if ":" not in path:
-        raise BackendError(f"unknown engine {name!r}; built-in: {sorted(BUILTIN_ENGINES)}, or give 'pkg.module:factory'")
+        raise BackendError(
+            f"unknown engine {name!r}; built-in: {sorted(BUILTIN_ENGINES)}, or give 'pkg.module:factory'"
+        )
     return path
 
 
@@ -82,5 +92,7 @@ def engine_capabilities(name: str | None) -> Capabilities:
     """What the engine factory declares (`factory.capabilities`); one that declares nothing restricts nothing."""
     caps = getattr(load_object(engine_path(name)), "capabilities", ENGINE_UNRESTRICTED)
     if not isinstance(caps, Capabilities):
-        raise BackendError(f"engine {name!r}: its factory's 'capabilities' is a {type(caps).__name__}, not Capabilities")
+        raise BackendError(
+            f"engine {name!r}: its factory's 'capabilities' is a {type(caps).__name__}, not Capabilities"
+        )
     return caps

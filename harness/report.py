@@ -55,7 +55,9 @@ def matrix(results: dict[str, dict]) -> dict[str, dict[str, Counter]]:
     out: dict[str, dict[str, Counter]] = {}
     for backend, res in results.items():
         for nodeid, rec in res.get("tests", {}).items():
-            out.setdefault(invariant_of(nodeid), {}).setdefault(backend, Counter())[rec.get("status", "unknown")] += 1
+            out.setdefault(invariant_of(nodeid), {}).setdefault(backend, Counter())[
+                rec.get("status", "unknown")
+            ] += 1
     return out
 
 
@@ -77,7 +79,9 @@ def verdict(results: dict[str, dict]) -> str:
         rec.get("status") in ("failed", "error", "unknown") or res.get("exitstatus", 0) not in (0, 5)
         for res in results.values()
         for rec in res.get("tests", {}).values()
-    ) or any(res.get("exitstatus", 0) not in (0, 5) or not res.get("complete", True) for res in results.values())
+    ) or any(
+        res.get("exitstatus", 0) not in (0, 5) or not res.get("complete", True) for res in results.values()
+    )
     return "FAIL" if failed else "PASS"
 
 
@@ -116,19 +120,30 @@ def fault_section(faults: dict[str, dict]) -> list[str]:
         return []
     backends = list(faults)
     timeout = next((c["timeout_s"] for row in mat.values() for cs in row.values() for c in cs), None)
-    md = ["", "## Fault matrix", "",
-          f"Each cell: push v1, push v2 under the fault, heal, push v3 (timeout {timeout:g}s). ok = every engine served "
-          "one committed version bit for bit, the failing push returned within 2x the timeout with a specific error "
-          "naming the receiver, nothing reported success while engines differed, v3 reached every engine without a "
-          "redeploy, nothing leaked. Times: slowest faulty push (detect) / slowest push after heal (recover). "
-          "unknown never counts as ok.", "",
-          "| fault | " + " | ".join(backends) + " |", "| --- | " + " | ".join("---" for _ in backends) + " |"]
+    md = [
+        "",
+        "## Fault matrix",
+        "",
+        f"Each cell: push v1, push v2 under the fault, heal, push v3 (timeout {timeout:g}s). ok = every engine served "
+        "one committed version bit for bit, the failing push returned within 2x the timeout with a specific error "
+        "naming the receiver, nothing reported success while engines differed, v3 reached every engine without a "
+        "redeploy, nothing leaked. Times: slowest faulty push (detect) / slowest push after heal (recover). "
+        "unknown never counts as ok.",
+        "",
+        "| fault | " + " | ".join(backends) + " |",
+        "| --- | " + " | ".join("---" for _ in backends) + " |",
+    ]
     for kind in mat:
         md.append(f"| {kind} | " + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends) + " |")
-    bad = [c for row in mat.values() for cs in row.values() for c in cs if c["verdict"] in ("fail", "unknown")]
+    bad = [
+        c for row in mat.values() for cs in row.values() for c in cs if c["verdict"] in ("fail", "unknown")
+    ]
     for c in bad:
-        md += ["", f"- **{c['verdict']}** {c['backend']} × {c['fault']} (seed {c['seed']}, {c['point']}): "
-               + "; ".join(c["reasons"])[:1500]]
+        md += [
+            "",
+            f"- **{c['verdict']}** {c['backend']} × {c['fault']} (seed {c['seed']}, {c['point']}): "
+            + "; ".join(c["reasons"])[:1500],
+        ]
     return md
 
 
@@ -188,19 +203,29 @@ def throughput_table(rows: list[SyncRow]) -> list[str]:
 
 def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
     """The sync table with its gate and where the time goes, plots drawn into out_dir (certify and bench)."""
-    md = ["", "## Sync throughput", "",
-          "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
-          "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
-          "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
-          "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
-          "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).", ""]
+    md = [
+        "",
+        "## Sync throughput",
+        "",
+        "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
+        "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
+        "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
+        "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
+        "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).",
+        "",
+    ]
     md += throughput_table(rows)
     if plot_throughput(rows, out_dir / "throughput.png"):
         md += ["", "![throughput](throughput.png)"]
-    md += ["", "### Where the time goes", "",
-           "ms of the median push. Steps: what the trainer waits on. Parts: the critical path — the "
-           "trainer's prepare (digest, alloc, pack; wire when it writes files), the slowest receiver's "
-           "transfer (wire, unpack, verify) and commit; other is the rest (RPC, locks, engine reads, Python).", ""]
+    md += [
+        "",
+        "### Where the time goes",
+        "",
+        "ms of the median push. Steps: what the trainer waits on. Parts: the critical path — the "
+        "trainer's prepare (digest, alloc, pack; wire when it writes files), the slowest receiver's "
+        "transfer (wire, unpack, verify) and commit; other is the rest (RPC, locks, engine reads, Python).",
+        "",
+    ]
     md += breakdown_table(rows)
     fewest = min(r.receivers for r in rows)
     if plot_breakdown([r for r in rows if r.receivers == fewest], out_dir / "breakdown.png"):
@@ -213,12 +238,18 @@ def breakdown_table(rows: list[SyncRow]) -> list[str]:
     from harness.bench import BAR_PARTS
 
     steps = ("start", "prepare", "transfer", "finish")
-    lines = ["| path | rx | size (MiB) | " + " | ".join(steps) + " | " + " | ".join(BAR_PARTS) + " |",
-             "| --- | --: | --: | " + " | ".join("--:" for _ in steps + BAR_PARTS) + " |"]
+    lines = [
+        "| path | rx | size (MiB) | " + " | ".join(steps) + " | " + " | ".join(BAR_PARTS) + " |",
+        "| --- | --: | --: | " + " | ".join("--:" for _ in steps + BAR_PARTS) + " |",
+    ]
     for r in rows:
-        lines.append(f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | "
-                     + " | ".join(f"{r.steps.get(k, 0.0) * 1e3:.1f}" for k in steps) + " | "
-                     + " | ".join(f"{r.parts.get(k, 0.0) * 1e3:.1f}" for k in BAR_PARTS) + " |")
+        lines.append(
+            f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | "
+            + " | ".join(f"{r.steps.get(k, 0.0) * 1e3:.1f}" for k in steps)
+            + " | "
+            + " | ".join(f"{r.parts.get(k, 0.0) * 1e3:.1f}" for k in BAR_PARTS)
+            + " |"
+        )
     return lines
 
 
@@ -232,6 +263,7 @@ def plot_breakdown(rows: list[SyncRow], path: Path) -> bool:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from harness.bench import BAR_PARTS
 
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.2))
@@ -240,7 +272,9 @@ def plot_breakdown(rows: list[SyncRow], path: Path) -> bool:
     colours = plt.get_cmap("tab10")
     for k, part in enumerate(BAR_PARTS):
         heights = [r.parts.get(part, 0.0) * 1e3 for r in rows]
-        ax.bar(labels, heights, bottom=bottom, label=part, color=colours(k) if part != "other" else "lightgrey")
+        ax.bar(
+            labels, heights, bottom=bottom, label=part, color=colours(k) if part != "other" else "lightgrey"
+        )
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ceilings = [r.size_bytes / r.ceiling_gbs / 1e6 if r.ceiling_gbs else None for r in rows]
     xs = [i for i, c in enumerate(ceilings) if c]
@@ -255,15 +289,21 @@ def plot_breakdown(rows: list[SyncRow], path: Path) -> bool:
     return True
 
 
-def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], command: str,
-                 faults: dict[str, dict] | None = None) -> Path:
+def write_report(
+    out_dir: Path,
+    results: dict[str, dict],
+    rows: list[SyncRow],
+    command: str,
+    faults: dict[str, dict] | None = None,
+) -> Path:
     """Write results.json and report.md (+ throughput.png) into out_dir; returns report.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     faults = faults or {}
     data = {
-        "verdict": "FAIL" if any(not r.passed for r in rows) else
-                   verdict({**results, **{f"faults:{b}": r for b, r in faults.items()}}),
+        "verdict": "FAIL"
+        if any(not r.passed for r in rows)
+        else verdict({**results, **{f"faults:{b}": r for b, r in faults.items()}}),
         "command": command,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": env,
@@ -293,12 +333,21 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
         caps = ", ".join(f"{k}={v}" for k, v in r.get("capabilities", {}).get(b, {}).items())
         rx = r.get("receivers", {}).get(b)
         md.append(f"| {b} | `{r.get('engine')}` | {rx} | {r.get('hypothesis_profile')} | {caps} |")
-    md += ["", "## Invariants × paths", "", "| invariant | " + " | ".join(backends) + " |",
-           "| --- | " + " | ".join("---" for _ in backends) + " |"]
+    md += [
+        "",
+        "## Invariants × paths",
+        "",
+        "| invariant | " + " | ".join(backends) + " |",
+        "| --- | " + " | ".join("---" for _ in backends) + " |",
+    ]
     for inv in sorted(mat):
         md.append(f"| {inv} | " + " | ".join(cell(mat[inv].get(b)) for b in backends) + " |")
-    failures = [(b, n, rec) for b in backends for n, rec in results[b].get("tests", {}).items()
-                if rec.get("status") in ("failed", "error")]
+    failures = [
+        (b, n, rec)
+        for b in backends
+        for n, rec in results[b].get("tests", {}).items()
+        if rec.get("status") in ("failed", "error")
+    ]
     stopped = [(b, results[b]["error"]) for b in backends if results[b].get("error")]
     if failures or stopped:
         md += ["", "## Failures", ""]
@@ -306,23 +355,41 @@ def write_report(out_dir: Path, results: dict[str, dict], rows: list[SyncRow], c
         for b, n, rec in failures:
             md += [f"### {b}: `{n}`", "", "```", rec.get("message", "")[-1500:], "```", ""]
     md += fault_section(faults)
-    examples = {b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends}
+    examples = {
+        b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends
+    }
     counts = {b: Counter(rec.get("status") for rec in results[b].get("tests", {}).values()) for b in backends}
-    md += ["", "## Counts", "", "| backend | tests | passed | failed | NOT_SUPPORTED | skipped | hypothesis examples |",
-           "| --- | --: | --: | --: | --: | --: | --: |"]
+    md += [
+        "",
+        "## Counts",
+        "",
+        "| backend | tests | passed | failed | NOT_SUPPORTED | skipped | hypothesis examples |",
+        "| --- | --: | --: | --: | --: | --: | --: |",
+    ]
     for b in backends:
         c = counts[b]
-        md.append(f"| {b} | {sum(c.values())} | {c['passed']} | {c['failed'] + c['error']} | {c['not_supported']} | "
-                  f"{c['skipped']} | {examples[b]} |")
+        md.append(
+            f"| {b} | {sum(c.values())} | {c['passed']} | {c['failed'] + c['error']} | {c['not_supported']} | "
+            f"{c['skipped']} | {examples[b]} |"
+        )
     if rows:
         md += throughput_section(rows, out_dir)
     if rows:
-        md += ["", "## Cost model", "", "GPU-hours spent in sync = sync seconds × GPUs held × steps / 3600, "
-               "for the largest payload measured per path, at 8 GPUs held and 1000 steps:", "",
-               "| path | rx | size (B) | sync (s) | GPU-hours / 1000 steps on 8 GPUs |", "| --- | --: | --: | --: | --: |"]
+        md += [
+            "",
+            "## Cost model",
+            "",
+            "GPU-hours spent in sync = sync seconds × GPUs held × steps / 3600, "
+            "for the largest payload measured per path, at 8 GPUs held and 1000 steps:",
+            "",
+            "| path | rx | size (B) | sync (s) | GPU-hours / 1000 steps on 8 GPUs |",
+            "| --- | --: | --: | --: | --: |",
+        ]
         for (name, rx), group in _group(rows).items():
             r = max(group, key=lambda row: row.size_bytes)
-            md.append(f"| {name} | {rx} | {r.size_bytes} | {r.time_s:.4f} | {r.time_s * 8 * 1000 / 3600:.3f} |")
+            md.append(
+                f"| {name} | {rx} | {r.size_bytes} | {r.time_s:.4f} | {r.time_s * 8 * 1000 / 3600:.3f} |"
+            )
     md.append("")
     path = out_dir / "report.md"
     path.write_text("\n".join(md))

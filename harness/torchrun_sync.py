@@ -31,8 +31,11 @@ def _broadcast_json(group, obj, device) -> dict:
     data = json.dumps(obj).encode() if obj is not None else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     broadcast_one(group, size, "update_info length")
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if obj is not None else torch.empty(
-        int(size.item()), dtype=torch.uint8, device=device)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if obj is not None
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     broadcast_one(group, buf, "update_info")
     return json.loads(bytes(buf.cpu().numpy()))
 
@@ -57,18 +60,29 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(args.engine, None)  # the trainer uses its spec; receivers serve it
 
     if rank == 0:
-        sender = BroadcastSender(world - 1, args.backend, timeout_s=args.timeout_s, addr=addr, port=port,
-                                 local_rank=local_rank)
+        sender = BroadcastSender(
+            world - 1, args.backend, timeout_s=args.timeout_s, addr=addr, port=port, local_rank=local_rank
+        )
         sender.init()
         group, device = sender.group(), sender.device
         trainer = ReferenceTrainer(engine.weight_spec(), seed=0)
-        print(f"{'step':>5} {'version':>8} {'bytes':>12} {'time(ms)':>9} {'GB/s':>7} {'#wrong':>7}", flush=True)
+        print(
+            f"{'step':>5} {'version':>8} {'bytes':>12} {'time(ms)':>9} {'GB/s':>7} {'#wrong':>7}", flush=True
+        )
     else:
         receiver = BroadcastReceiver(engine)
-        receiver.init_transfer_engine({"master_addr": addr, "master_port": port, "world_size": world,
-                                       "rank": rank, "local_rank": local_rank, "backend": args.backend,
-                                       "timeout_s": args.timeout_s})
-        group, device = receiver._group, receiver.device  # noqa: SLF001 - same group for the control message
+        receiver.init_transfer_engine(
+            {
+                "master_addr": addr,
+                "master_port": port,
+                "world_size": world,
+                "rank": rank,
+                "local_rank": local_rank,
+                "backend": args.backend,
+                "timeout_s": args.timeout_s,
+            }
+        )
+        group, device = receiver._group, receiver.device
 
     failures = 0
     for step in range(1, args.steps + 1):
@@ -83,17 +97,25 @@ def main(argv: list[str] | None = None) -> int:
             receiver.update_weights(info)
             receiver.finish_weight_update(info["manifest"]["version"])
         manifest = Manifest.from_json(info["manifest"])
-        wrong = torch.tensor([0 if rank == 0 else _wrong_tensors(engine, manifest)], dtype=torch.int64, device=device)
+        wrong = torch.tensor(
+            [0 if rank == 0 else _wrong_tensors(engine, manifest)], dtype=torch.int64, device=device
+        )
         group.allreduce(wrong).wait()  # also the end-of-step barrier
         elapsed = time.perf_counter() - t0
         failures += int(wrong.item())
         if rank == 0:
             gbs = manifest.total_bytes / elapsed / 1e9
-            print(f"{step:>5} {manifest.version:>8} {manifest.total_bytes:>12} {elapsed * 1e3:>9.2f} {gbs:>7.3f} "
-                  f"{int(wrong.item()):>7}", flush=True)
+            print(
+                f"{step:>5} {manifest.version:>8} {manifest.total_bytes:>12} {elapsed * 1e3:>9.2f} {gbs:>7.3f} "
+                f"{int(wrong.item()):>7}",
+                flush=True,
+            )
     if rank == 0:
-        print(f"{'OK' if failures == 0 else 'FAIL'}: {args.steps} versions to {world - 1} receiver rank(s), "
-              f"#wrong {failures}", flush=True)
+        print(
+            f"{'OK' if failures == 0 else 'FAIL'}: {args.steps} versions to {world - 1} receiver rank(s), "
+            f"#wrong {failures}",
+            flush=True,
+        )
     engine.shutdown()
     return 1 if failures else 0
 

@@ -24,7 +24,9 @@ class ReferenceTrainer:
         seed: int = 0,
         lr: float = 3e-6,  # typical of GRPO/PPO fine-tuning; ~99% of bf16 entries stay put per step
     ):
-        self.spec: dict[str, TensorSpec] = dict(spec or tiny_lm.checkpoint_spec(ModelConfig(dtype=torch.bfloat16)))
+        self.spec: dict[str, TensorSpec] = dict(
+            spec or tiny_lm.checkpoint_spec(ModelConfig(dtype=torch.bfloat16))
+        )
         gen = torch.Generator().manual_seed(seed)
         self.master = {}
         for name, s in self.spec.items():

@@ -29,7 +29,9 @@ def spec_to_json(spec: WeightSpec | None) -> dict[str, Any] | None:
 def spec_from_json(data: Mapping[str, Any] | None) -> dict[str, TensorSpec] | None:
     if data is None:
         return None
-    return {n: TensorSpec(tuple(int(d) for d in s["shape"]), dtype_from_name(s["dtype"])) for n, s in data.items()}
+    return {
+        n: TensorSpec(tuple(int(d) for d in s["shape"]), dtype_from_name(s["dtype"])) for n, s in data.items()
+    }
 
 
 def request_to_json(r: GenerationRequest) -> dict[str, Any]:

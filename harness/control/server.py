@@ -617,7 +617,7 @@ class ControlServer:
             tokens: list[TokenEvent] = []
             finish = None
             try:
-                async for events, finish in self._events(live):
+                async for events, finish in self._events(live):  # noqa: B007 - the last one is read after
                     tokens.extend(events or ())
             finally:
                 self._settle(live, finish or "disconnected")
@@ -652,7 +652,11 @@ class ControlServer:
             return {"status": "aborted", "aborted": n}
         engine_abort = getattr(self.engine, "abort_requests", None)
         # counted before the engine acts: its abort event may close the stream before the loop below
-        found = [self._live[r] for r in dict.fromkeys(body.request_ids) if r in self._live and not self._live[r].closed]
+        found = [
+            self._live[r]
+            for r in dict.fromkeys(body.request_ids)
+            if r in self._live and not self._live[r].closed
+        ]
         if callable(engine_abort):
             await self._in_thread(lambda: engine_abort([live.request_id for live in found]))
         for live in found:

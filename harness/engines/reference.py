@@ -66,10 +66,14 @@ class ReferenceEngine(Engine):
         for name, s in (extra or {}).items():
             if name in model_spec:
                 if model_spec[name] != s:
-                    raise ManifestMismatch(f"extra tensor {name!r} {s} clashes with the model's {model_spec[name]}")
+                    raise ManifestMismatch(
+                        f"extra tensor {name!r} {s} clashes with the model's {model_spec[name]}"
+                    )
                 continue
             checkpoint[name] = torch.zeros(s.shape, dtype=s.dtype)
-        self._spec: dict[str, TensorSpec] = {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in checkpoint.items()}
+        self._spec: dict[str, TensorSpec] = {
+            n: TensorSpec(tuple(t.shape), t.dtype) for n, t in checkpoint.items()
+        }
         self._live = tiny_lm.fuse(checkpoint)
         self._version = 0
 
@@ -152,7 +156,9 @@ class ReferenceEngine(Engine):
         with self._priority():
             hit = [r for r in [*self._running, *self._waiting] if r.stream.request.request_id in wanted]
             for r in hit:
-                r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+                r.stream.push(
+                    TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort")
+                )
             self._running = [r for r in self._running if r not in hit]
             self._waiting = collections.deque(r for r in self._waiting if r not in hit)
             self._cond.notify_all()
@@ -165,7 +171,9 @@ class ReferenceEngine(Engine):
             if mode == "abort":
                 self._paused = True
                 for r in [*self._running, *self._waiting]:
-                    r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+                    r.stream.push(
+                        TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort")
+                    )
                 self._running.clear()
                 self._waiting.clear()
             elif mode == "wait":
@@ -207,7 +215,9 @@ class ReferenceEngine(Engine):
     def _refuse_while_loading(self, version: int) -> None:
         """Under the step lock: one version at a time, whole swap or in-place load."""
         if self._loading is not None:
-            raise EngineStateError(f"version {version}: an in-place load of version {self._loading.version} is open")
+            raise EngineStateError(
+                f"version {version}: an in-place load of version {self._loading.version} is open"
+            )
 
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         self.check_update(tensors.keys(), version)
@@ -252,7 +262,9 @@ class ReferenceEngine(Engine):
         with self._priority():
             self._stopped = True
             for r in [*self._running, *self._waiting]:
-                r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+                r.stream.push(
+                    TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort")
+                )
             self._running.clear()
             self._waiting.clear()
             self._cond.notify_all()

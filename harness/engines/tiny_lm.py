@@ -36,7 +36,11 @@ class ModelConfig:
 
 # fused live name suffix -> the checkpoint suffixes it is built from, in row order
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
 

@@ -35,10 +35,10 @@ import safetensors.torch
 import torch
 
 from harness.api import (
+    ENGINE_UNRESTRICTED,
     JSON,
     PAUSE_MODES,
     BackendError,
-    ENGINE_UNRESTRICTED,
     Deployment,
     Engine,
     EngineHandle,
@@ -58,8 +58,8 @@ from harness.api import (
     WeightSyncError,
 )
 from harness.engines.vllm_layout import FusedLayout
-from harness.manifest import dtype_from_name
 from harness.lifecycle import FAILED, NEW, READY, UPDATING, Lifecycle
+from harness.manifest import dtype_from_name
 from harness.paths.base import check_against_engine, manifest_of
 from harness.paths.disk import DiskSender
 

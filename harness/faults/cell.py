@@ -26,8 +26,8 @@ from harness.checks import CellObservation, judge_cell
 from harness.deployment import push
 from harness.faults import engines as fault_engines
 from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, PRIVATE_SHM_ENV, Fault, FaultContext
-from harness.procs import pid_alive
 from harness.paths.ipc import own_segments
+from harness.procs import pid_alive
 from harness.registry import engine_path
 
 #: Extra tensors every cell pushes beside the model: 8 MiB in 8 tensors, several buckets on every path.
@@ -67,8 +67,14 @@ def seeded_weights(spec, seed: int) -> dict[str, torch.Tensor]:
     return {n: (0.2 * torch.randn(s.shape, generator=gen)).to(s.dtype) for n, s in spec.items()}
 
 
-def deploy_for_faults(backend: Backend, workdir: Path, engine: str | None, timeout_s: float, caps: Capabilities,
-                      n_receivers: int = N_RECEIVERS):
+def deploy_for_faults(
+    backend: Backend,
+    workdir: Path,
+    engine: str | None,
+    timeout_s: float,
+    caps: Capabilities,
+    n_receivers: int = N_RECEIVERS,
+):
     """A deployment whose engines can be told to fail a commit (harness.faults.engines), the backend's
     timeout set to `timeout_s`; the cell's extra tensors where the engine accepts any."""
     trigger_dir = workdir / "fault-triggers"
@@ -77,7 +83,9 @@ def deploy_for_faults(backend: Backend, workdir: Path, engine: str | None, timeo
     os.environ[fault_engines.INNER_ENGINE_ENV] = engine_path(engine)
     spec = CELL_SPEC if caps.arbitrary_tensors else None
     n = min(n_receivers, caps.max_receivers)
-    return with_timeout(backend, timeout_s).deploy(n, spec, str(workdir), engine="harness.faults.engines:make_engine")
+    return with_timeout(backend, timeout_s).deploy(
+        n, spec, str(workdir), engine="harness.faults.engines:make_engine"
+    )
 
 
 def detached(exc: BaseException) -> BaseException:
@@ -92,7 +100,9 @@ def detached(exc: BaseException) -> BaseException:
     return exc
 
 
-def strike(dep, fault: Fault, ctx: FaultContext, versions: dict, version: int, timeout_s: float) -> CellObservation:
+def strike(
+    dep, fault: Fault, ctx: FaultContext, versions: dict, version: int, timeout_s: float
+) -> CellObservation:
     """The nemesis' half of a cell: push `version` under `fault`, heal, read every engine. Raises only
     if the fault could not be set up (the cell is then unknown)."""
     obs = CellObservation(fault=fault, timeout_s=timeout_s, versions=versions, version=version)
@@ -137,7 +147,12 @@ def run_cell(
 ) -> CellResult:
     """Run one cell and judge it. Never raises for the system's faults: they are the verdict."""
     caps = caps or backend.capabilities
-    if fault_kind == "storage-full" and caps.ipc and os.environ.get(PRIVATE_SHM_ENV) != "1" and os.geteuid() == 0:
+    if (
+        fault_kind == "storage-full"
+        and caps.ipc
+        and os.environ.get(PRIVATE_SHM_ENV) != "1"
+        and os.geteuid() == 0
+    ):
         return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s)
     fault = FAULTS[fault_kind]()
     result = CellResult(backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s)
@@ -164,7 +179,9 @@ def run_cell(
         try:
             push(dep, 1, versions[1])
         except Exception as exc:  # noqa: BLE001
-            result.reasons = [f"the clean push of version 1 failed before any fault: {type(exc).__name__}: {exc}"]
+            result.reasons = [
+                f"the clean push of version 1 failed before any fault: {type(exc).__name__}: {exc}"
+            ]
             return result
         try:
             obs = strike(dep, fault, ctx, versions, 2, timeout_s)
@@ -219,31 +236,67 @@ def leaked(ranks, workdir: Path, segments_before: Iterable[str] = ()) -> list[st
     return out
 
 
-
-
 PRIVATE_SHM_BYTES = 64 << 20
 
 
-def run_cell_in_private_shm(backend_name: str, fault_kind: str, seed: int, workdir: Path, engine: str | None,
-                            timeout_s: float) -> CellResult:
+def run_cell_in_private_shm(
+    backend_name: str, fault_kind: str, seed: int, workdir: Path, engine: str | None, timeout_s: float
+) -> CellResult:
     """The cell in a child process with a mount namespace of its own, whose /dev/shm is a fresh
     64 MiB tmpfs: the fault may fill it without touching the host's shared memory."""
     out = workdir / "cell.json"
     script = 'mount -t tmpfs -o size=$1 tmpfs /dev/shm && shift && exec "$@"'
-    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(PRIVATE_SHM_BYTES),
-            sys.executable, "-m", "harness.faults.cell", "--backend", backend_name, "--fault", fault_kind,
-            "--seed", str(seed), "--workdir", str(workdir), "--timeout", str(timeout_s), "--json", str(out)]
+    argv = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        str(PRIVATE_SHM_BYTES),
+        sys.executable,
+        "-m",
+        "harness.faults.cell",
+        "--backend",
+        backend_name,
+        "--fault",
+        fault_kind,
+        "--seed",
+        str(seed),
+        "--workdir",
+        str(workdir),
+        "--timeout",
+        str(timeout_s),
+        "--json",
+        str(out),
+    ]
     if engine:
         argv += ["--engine", engine]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, PRIVATE_SHM_ENV: "1"}, check=False,
-                              timeout=20 * timeout_s + 120)
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            env={**os.environ, PRIVATE_SHM_ENV: "1"},
+            check=False,
+            timeout=20 * timeout_s + 120,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return CellResult(backend_name, fault_kind, seed, "unknown", [f"private /dev/shm: {exc}"], timeout_s=timeout_s)
+        return CellResult(
+            backend_name, fault_kind, seed, "unknown", [f"private /dev/shm: {exc}"], timeout_s=timeout_s
+        )
     if not out.exists():
         why = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return CellResult(backend_name, fault_kind, seed, "unknown",
-                          [f"private /dev/shm cell exited {done.returncode} without a verdict: {why}"], timeout_s=timeout_s)
+        return CellResult(
+            backend_name,
+            fault_kind,
+            seed,
+            "unknown",
+            [f"private /dev/shm cell exited {done.returncode} without a verdict: {why}"],
+            timeout_s=timeout_s,
+        )
     return CellResult(**json.loads(out.read_text()))
 
 

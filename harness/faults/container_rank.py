@@ -86,7 +86,9 @@ class ContainerProcess:
     @property
     def exitcode(self) -> int | None:
         s = self.state()
-        return None if s.get("Status") in ("created", "running", "paused", "restarting") else s.get("ExitCode")
+        return (
+            None if s.get("Status") in ("created", "running", "paused", "restarting") else s.get("ExitCode")
+        )
 
     def join(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -163,13 +165,17 @@ class ContainerRankProcess(RankProcess):
                     return listener.accept()  # the authkey challenge, both ways
                 except Exception as exc:  # noqa: BLE001
                     self.process.kill()
-                    raise TransferError(f"rank {self.rank}: connection from its container refused: {exc}") from None
+                    raise TransferError(
+                        f"rank {self.rank}: connection from its container refused: {exc}"
+                    ) from None
             if not self.process.is_alive():
                 raise TransferError(f"rank {self.rank} ({self.process.describe()}) exited before connecting; "
                                     f"log tail:\n{self.log_tail()}")  # fmt: skip
             if time.monotonic() > deadline:
                 self.process.kill()
-                raise TransferError(f"rank {self.rank} did not connect within {timeout}s; log tail:\n{self.log_tail()}")
+                raise TransferError(
+                    f"rank {self.rank} did not connect within {timeout}s; log tail:\n{self.log_tail()}"
+                )
 
     def log_tail(self, n: int = 20) -> str:
         tail = super().log_tail(n)
@@ -202,17 +208,40 @@ class ContainerRankDeployment(RankDeployment):
         super().__init__(*args, **kwargs)
 
     def _spawn_rank(self, rank: int) -> RankProcess:
-        return ContainerRankProcess(self.host, rank, self._receiver_path, self._engine, self._spec, self._log_dir,
-                                    self.timeout_s * RPC_SLACK, self.container_options)
+        return ContainerRankProcess(
+            self.host,
+            rank,
+            self._receiver_path,
+            self._engine,
+            self._spec,
+            self._log_dir,
+            self.timeout_s * RPC_SLACK,
+            self.container_options,
+        )
 
 
-def deploy_broadcast(backend, host, n_receivers: int, spec: WeightSpec | None, workdir: str,
-                     engine: str | None = None, container_options: dict[str, Any] | None = None):
+def deploy_broadcast(
+    backend,
+    host,
+    n_receivers: int,
+    spec: WeightSpec | None,
+    workdir: str,
+    engine: str | None = None,
+    container_options: dict[str, Any] | None = None,
+):
     """What BroadcastBackend.deploy builds, with the receiver ranks in containers on `host`: the sender
     hosts its store on the bridge gateway (the trainer's address as the containers see it). The trainer
     process needs host.trainer_env() in its environment (GLOO_SOCKET_IFNAME: gloo must listen on the bridge)."""
-    return backend.deploy_with(ContainerRankDeployment, n_receivers, spec, workdir, engine, addr=host.gateway_ip(),
-                               host=host, container_options=container_options)
+    return backend.deploy_with(
+        ContainerRankDeployment,
+        n_receivers,
+        spec,
+        workdir,
+        engine,
+        addr=host.gateway_ip(),
+        host=host,
+        container_options=container_options,
+    )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,12 @@ def _mounts_under(path: Path) -> list[str]:
 class DockerHost:
     """A Docker engine (found or started), one image, one bridge network, and the containers run on it."""
 
-    def __init__(self, prefix: str | None = None, extra_mounts: dict[str, str] | None = None, start_timeout: float = 30.0):
+    def __init__(
+        self,
+        prefix: str | None = None,
+        extra_mounts: dict[str, str] | None = None,
+        start_timeout: float = 30.0,
+    ):
         self.prefix = prefix or f"wsf{os.getpid()}{secrets.token_hex(2)}"
         self.extra_mounts = dict(extra_mounts or {})  # host path -> "ro" | "rw", mounted at the same path
         self.start_timeout = start_timeout
@@ -113,14 +118,18 @@ class DockerHost:
                 self.client = docker.DockerClient(base_url=url, timeout=60)
                 self.client.ping()
             except Exception as exc:  # noqa: BLE001 - any failure to reach it is the reason
-                raise DockerUnavailable(f"{ENV_DOCKER_HOST}={url} does not answer: {type(exc).__name__}: {exc}") from None
+                raise DockerUnavailable(
+                    f"{ENV_DOCKER_HOST}={url} does not answer: {type(exc).__name__}: {exc}"
+                ) from None
             self.base_url = url
             return
         dockerd = shutil.which("dockerd")
         if dockerd is None:
             raise DockerUnavailable(f"no dockerd binary on PATH and {ENV_DOCKER_HOST} is not set")
         if os.geteuid() != 0:
-            raise DockerUnavailable(f"starting dockerd needs root (euid {os.geteuid()}) and {ENV_DOCKER_HOST} is not set")
+            raise DockerUnavailable(
+                f"starting dockerd needs root (euid {os.geteuid()}) and {ENV_DOCKER_HOST} is not set"
+            )
         for tool in ("iptables", "nsenter", "tc"):
             if shutil.which(tool) is None:
                 raise DockerUnavailable(f"the nemesis needs {tool!r}, not on PATH")
@@ -135,11 +144,14 @@ class DockerHost:
         if shutil.which("docker-init") is None:  # Debian's docker.io ships tini without the docker-init name
             init = shutil.which("tini-static") or shutil.which("tini")
             if init is None:
-                raise DockerUnavailable("no docker-init, tini-static or tini binary: containers could not take signals")
+                raise DockerUnavailable(
+                    "no docker-init, tini-static or tini binary: containers could not take signals"
+                )
             argv += ["--init-path", init]
         with open(self._engine_log, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self._engine_pid = proc.pid
         self._engine_proc = proc
         self.base_url = f"unix://{sock}"
@@ -156,7 +168,9 @@ class DockerHost:
                 except Exception as exc:  # noqa: BLE001 - not ready yet
                     last = exc
             time.sleep(0.2)
-        raise DockerUnavailable(f"dockerd not ready within {self.start_timeout}s ({last}): {self._engine_log_tail()}")
+        raise DockerUnavailable(
+            f"dockerd not ready within {self.start_timeout}s ({last}): {self._engine_log_tail()}"
+        )
 
     def _engine_log_tail(self, n: int = 8) -> str:
         try:
@@ -168,6 +182,7 @@ class DockerHost:
         """An almost empty rootfs: the host's /usr and Python prefixes are bind-mounted at run time."""
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
+
             def add_dir(name: str, mode: int = 0o755) -> None:
                 info = tarfile.TarInfo(name)
                 info.type, info.mode = tarfile.DIRTYPE, mode
@@ -204,7 +219,9 @@ class DockerHost:
             if f"10.213.{second}." in taken:
                 continue
             gateway = f"10.213.{second}.1"
-            ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=subnet, gateway=gateway)])
+            ipam = docker.types.IPAMConfig(
+                pool_configs=[docker.types.IPAMPool(subnet=subnet, gateway=gateway)]
+            )
             try:
                 self.network = self.client.networks.create(f"{self.prefix}-net", driver="bridge", ipam=ipam)
             except docker.errors.APIError as exc:  # the pool overlaps another network's: try another
@@ -419,7 +436,9 @@ class Disconnect(Fault):
     def heal(self) -> None:
         if not self.active:
             return
-        if self.host.state(self.container).get("Status") != "removed":  # a removed container has no link to restore
+        if (
+            self.host.state(self.container).get("Status") != "removed"
+        ):  # a removed container has no link to restore
             self.host.network.connect(self.container, ipv4_address=self.ip)
         self.active = False
 
@@ -452,7 +471,9 @@ class _IptablesFault(Fault):
                 self.host.nsenter(self.container, ["iptables", "-D", *rule], check=False)
             after = self._rules_now()
             if after != self.before:
-                raise RuntimeError(f"{self.description}: rules after heal differ from before:\n{after}\nvs\n{self.before}")
+                raise RuntimeError(
+                    f"{self.description}: rules after heal differ from before:\n{after}\nvs\n{self.before}"
+                )
         # a container that is gone took its namespace (and the rules) with it
         self.active = False
 
@@ -491,7 +512,9 @@ class BandwidthCap(Fault):
     """tc tbf at `rate` on the container's eth0 (what it sends) and on its host-side veth (what it
     receives); heal deletes both root qdiscs, restoring the defaults."""
 
-    def __init__(self, host: DockerHost, container, rate: str = "8mbit", burst: str = "32kbit", latency: str = "400ms"):
+    def __init__(
+        self, host: DockerHost, container, rate: str = "8mbit", burst: str = "32kbit", latency: str = "400ms"
+    ):
         super().__init__()
         self.host, self.container = host, container
         self.rate, self.burst, self.latency = rate, burst, latency
@@ -534,7 +557,9 @@ class BandwidthCap(Fault):
             self.host.nsenter(self.container, ["tc", "qdisc", "del", "dev", self._dev, "root"], check=False)
             after = self._qdiscs()
             if after != self._before:
-                raise RuntimeError(f"{self.description}: qdiscs after heal {after} differ from before {self._before}")
+                raise RuntimeError(
+                    f"{self.description}: qdiscs after heal {after} differ from before {self._before}"
+                )
         self.active = False
 
 

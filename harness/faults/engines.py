@@ -25,7 +25,9 @@ def make_engine(spec: WeightSpec | None = None) -> Engine:
         trigger = Path(os.environ.get(COMMIT_FAIL_DIR_ENV, "/nonexistent")) / f"commit-fail-{os.getpid()}"
         if trigger.exists():
             trigger.unlink(missing_ok=True)
-            raise MemoryError(f"injected: out of memory while committing version {version} (pid {os.getpid()})")
+            raise MemoryError(
+                f"injected: out of memory while committing version {version} (pid {os.getpid()})"
+            )
         commit(tensors, version)
 
     engine.commit_weights = commit_weights  # type: ignore[method-assign]

@@ -63,20 +63,20 @@ class Fault(abc.ABC):
         """What the claimed capabilities alone rule out, before anything is deployed (None: may apply)."""
         return None
 
-    def setup(self, ctx: FaultContext) -> None:
+    def setup(self, ctx: FaultContext) -> None:  # noqa: B027 - optional hook
         """Before the faulty push (after the first, clean one)."""
 
     @abc.abstractmethod
     def arm(self, ctx: FaultContext, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Install the trigger for the next push; returns the tensors the trainer will push."""
 
-    def disarm(self, ctx: FaultContext) -> None:
+    def disarm(self, ctx: FaultContext) -> None:  # noqa: B027 - optional hook
         """The faulty push returned: remove whatever trigger is left."""
 
-    def heal(self, ctx: FaultContext) -> None:
+    def heal(self, ctx: FaultContext) -> None:  # noqa: B027 - optional hook
         """Undo the fault (resume a stopped rank, free the disk...)."""
 
-    def teardown(self, ctx: FaultContext) -> None:
+    def teardown(self, ctx: FaultContext) -> None:  # noqa: B027 - optional hook
         """After the cell: remove what setup built (mounts)."""
 
     def check(self, ctx: FaultContext) -> list[str]:
@@ -141,7 +141,9 @@ class _ProcessFault(Fault):
         self.delay_s = round(ctx.rng.uniform(0.0, 0.05), 4) if self.call == "update_weights" else 0.0
         handle = ctx.deployment.handles[ctx.victim]
         self._handle, self._inner = handle, handle.receiver
-        handle.receiver = _CallTrigger(handle.receiver, self.call, self.delay_s, lambda: self._strike(ctx), ctx)
+        handle.receiver = _CallTrigger(
+            handle.receiver, self.call, self.delay_s, lambda: self._strike(ctx), ctx
+        )
         return tensors
 
     def disarm(self, ctx):
@@ -231,7 +233,11 @@ class _TapFault(Fault):
     """A fault on the data plane through the sender's interposer (`Sender.tap`)."""
 
     def applies_to(self, caps):
-        return None if caps.interposable else "the backend does not claim 'interposable' (its sender does not call Sender.tap)"
+        return (
+            None
+            if caps.interposable
+            else "the backend does not claim 'interposable' (its sender does not call Sender.tap)"
+        )
 
     def applies(self, backend, caps, deployment):
         if not caps.interposable:
@@ -258,7 +264,11 @@ class PayloadCorrupt(_TapFault):
     def on_unit(self, ctx, unit, data, where):
         if self.unit is not None or data.numel() == 0:
             return
-        self.unit, self.byte, self.bit = unit, ctx.rng.randrange(data.numel() // 2, data.numel()), ctx.rng.randrange(8)
+        self.unit, self.byte, self.bit = (
+            unit,
+            ctx.rng.randrange(data.numel() // 2, data.numel()),
+            ctx.rng.randrange(8),
+        )
         data[self.byte] ^= 1 << self.bit
         ctx.note(f"bit {self.bit} of byte {self.byte} flipped in unit {unit} ({where or 'in flight'})")
         return
@@ -291,7 +301,8 @@ class BlockedRead(_TapFault):
 
     def applies(self, backend, caps, deployment):
         return super().applies(backend, caps, deployment) or (
-            None if hasattr(deployment.sender, "run_dir")
+            None
+            if hasattr(deployment.sender, "run_dir")
             else "the data plane is not files (only file-backed paths can hang in read())"
         )
 
@@ -326,7 +337,10 @@ class CommitFail(Fault):
     def arm(self, ctx, tensors):
         # the last engine to finish fails, so the others have committed: the divergence case
         ctx.victim = len(ctx.deployment.handles) - 1 if ctx.rng.random() < 0.75 else 0
-        self.trigger = Path(os.environ[COMMIT_FAIL_DIR_ENV]) / f"commit-fail-{ctx.deployment.processes()[ctx.victim].pid}"
+        self.trigger = (
+            Path(os.environ[COMMIT_FAIL_DIR_ENV])
+            / f"commit-fail-{ctx.deployment.processes()[ctx.victim].pid}"
+        )
         self.trigger.write_text("armed")
         ctx.note(f"commit of receiver {ctx.victim} armed to fail")
         return tensors
@@ -404,13 +418,21 @@ class _WireFault(Fault):
     routes = (b"/start_weight_update", b"/update_weights", b"/finish_weight_update")
 
     def applies_to(self, caps):
-        return None if caps.http_control else "the backend does not claim 'http_control' (no HTTP lifecycle to cut)"
+        return (
+            None
+            if caps.http_control
+            else "the backend does not claim 'http_control' (no HTTP lifecycle to cut)"
+        )
 
     def applies(self, backend, caps, deployment):
         from harness.control.client import ControlClient
 
-        if not all(isinstance(getattr(h.receiver, "client", None), ControlClient) for h in deployment.handles):
-            return "no HTTP control plane between trainer and engines (receivers are not ControlClient-driven)"
+        if not all(
+            isinstance(getattr(h.receiver, "client", None), ControlClient) for h in deployment.handles
+        ):
+            return (
+                "no HTTP control plane between trainer and engines (receivers are not ControlClient-driven)"
+            )
         return None
 
     def arm(self, ctx, tensors):
@@ -428,7 +450,9 @@ class _WireFault(Fault):
         self.relay = TcpRelay((u.hostname, u.port)).start()
         self.relay.arm(self.route, self.mode, fraction)
         self.client.reroute(self.relay.url)
-        ctx.note(f"receiver {ctx.victim}: {self.direct} behind a relay, next POST {self.route.decode()}: {self.mode}")
+        ctx.note(
+            f"receiver {ctx.victim}: {self.direct} behind a relay, next POST {self.route.decode()}: {self.mode}"
+        )
         return tensors
 
     def disarm(self, ctx):
@@ -448,8 +472,10 @@ class _WireFault(Fault):
             return [f"the victim's /stats cannot be read after the fault: {type(exc).__name__}: {exc}"]
         expected = 1 if self.mode == "lose-answer" else 0  # a request never seen whole has nothing to replay
         if replays != expected:
-            return [f"{self.mode} on POST {self.route.decode()}: the server replayed {replays} answer(s) from its "
-                    f"idempotency cache, expected {expected} (the retry {'ran it again' if replays < expected else 'was not needed'})"]
+            return [
+                f"{self.mode} on POST {self.route.decode()}: the server replayed {replays} answer(s) from its "
+                f"idempotency cache, expected {expected} (the retry {'ran it again' if replays < expected else 'was not needed'})"
+            ]
         return []
 
     def describe(self, ctx):
@@ -478,6 +504,17 @@ def _run(argv: list[str]) -> None:
 
 #: Every fault kind the matrix runs, by name.
 FAULTS: dict[str, type[Fault]] = {
-    f.kind: f for f in (ReceiverKill, ReceiverStall, TrainerRaise, PayloadCorrupt, PayloadCut, BlockedRead,
-                        CommitFail, StorageFull, HttpRequestCut, HttpAnswerLost)
+    f.kind: f
+    for f in (
+        ReceiverKill,
+        ReceiverStall,
+        TrainerRaise,
+        PayloadCorrupt,
+        PayloadCut,
+        BlockedRead,
+        CommitFail,
+        StorageFull,
+        HttpRequestCut,
+        HttpAnswerLost,
+    )
 }

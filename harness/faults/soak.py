@@ -29,7 +29,14 @@ from harness.paths.ipc import own_segments
 
 SOAK_BACKENDS = ("broadcast", "ipc")
 #: The faults a soak cycles through (those that need no mount or file-backed data plane).
-SOAK_FAULTS = ("receiver-kill", "receiver-stall", "trainer-raise", "payload-corrupt", "payload-cut", "commit-fail")
+SOAK_FAULTS = (
+    "receiver-kill",
+    "receiver-stall",
+    "trainer-raise",
+    "payload-corrupt",
+    "payload-cut",
+    "commit-fail",
+)
 WARMUP_SYNCS = 10
 
 
@@ -63,9 +70,17 @@ def _fd_targets() -> dict[str, str]:
     return out
 
 
-def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 1000, fault_every: int = 20,
-             engine: str | None = None, caps: Capabilities | None = None,
-             timeout_s: float = DEFAULT_CELL_TIMEOUT_S, seed: int = 0) -> dict:
+def run_soak(
+    backend: Backend,
+    backend_name: str,
+    workdir: Path,
+    syncs: int = 1000,
+    fault_every: int = 20,
+    engine: str | None = None,
+    caps: Capabilities | None = None,
+    timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
+    seed: int = 0,
+) -> dict:
     """Push versions 1..syncs; every `fault_every`-th push is struck by the next fault of SOAK_FAULTS
     and the push after it is its recovery. Returns the report (JSON-able)."""
     caps = caps or backend.capabilities
@@ -101,9 +116,18 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
                     recover(dep, obs, v + 1)
                     seen.update({p.pid: p for p in dep.processes()})
                     verdict, reasons = judge_cell(obs)
-                    cells.append({"sync": v, "fault": kind, "point": fault.describe(ctx), "verdict": verdict,
-                                  "reasons": reasons, "error": obs.error_text(), "detect_s": round(obs.detect_s, 3),
-                                  "recover_s": round(obs.recover_s, 3)})
+                    cells.append(
+                        {
+                            "sync": v,
+                            "fault": kind,
+                            "point": fault.describe(ctx),
+                            "verdict": verdict,
+                            "reasons": reasons,
+                            "error": obs.error_text(),
+                            "detect_s": round(obs.detect_s, 3),
+                            "recover_s": round(obs.recover_s, 3),
+                        }
+                    )
                     committed = versions[v + 1] if obs.recovery_error is None else committed
                     if n_faults == len(SOAK_FAULTS):  # every fault path has run once: allocators are warm
                         steady = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
@@ -117,11 +141,21 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
                 clean_failures.append(f"sync {v}: {type(exc).__name__}: {str(exc)[:300]}")
             if v >= next_sample:
                 next_sample += 100
-                samples.append({"sync": v, "rss_mib": round(_rss_mib(), 1), "fds": _fds(),
-                                "threads": threading.active_count()})
+                samples.append(
+                    {
+                        "sync": v,
+                        "rss_mib": round(_rss_mib(), 1),
+                        "fds": _fds(),
+                        "threads": threading.active_count(),
+                    }
+                )
                 bad = sum(c["verdict"] != "ok" for c in cells)
-                print(f"soak {backend_name}: {v}/{syncs} syncs, {len(cells)} faults ({bad} not ok), "
-                      f"{time.monotonic() - t_start:.0f}s", file=sys.stderr, flush=True)
+                print(
+                    f"soak {backend_name}: {v}/{syncs} syncs, {len(cells)} faults ({bad} not ok), "
+                    f"{time.monotonic() - t_start:.0f}s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             v += 1
         final = read_engines(dep)
         wrong = [i for i, s in enumerate(final) if isinstance(s, str) or s[0] != syncs]
@@ -137,15 +171,25 @@ def run_soak(backend: Backend, backend_name: str, workdir: Path, syncs: int = 10
     growth = {k: end[k] - baseline.get(k, end[k]) for k in end}
     steady_growth = {k: end[k] - steady.get(k, end[k]) for k in end}  # after the first round of faults
     return {
-        "backend": backend_name, "syncs": syncs, "fault_every": fault_every, "timeout_s": timeout_s,
-        "seconds": round(time.monotonic() - t_start, 1), "cells": cells,
-        "rss_start_mib": round(baseline.get("rss", 0), 1), "rss_end_mib": round(end["rss"], 1),
-        "rss_growth_mib": round(growth["rss"], 1), "fds_growth": growth["fds"], "threads_growth": growth["threads"],
-        "steady_rss_growth_mib": round(steady_growth["rss"], 1), "steady_fds_growth": steady_growth["fds"],
+        "backend": backend_name,
+        "syncs": syncs,
+        "fault_every": fault_every,
+        "timeout_s": timeout_s,
+        "seconds": round(time.monotonic() - t_start, 1),
+        "cells": cells,
+        "rss_start_mib": round(baseline.get("rss", 0), 1),
+        "rss_end_mib": round(end["rss"], 1),
+        "rss_growth_mib": round(growth["rss"], 1),
+        "fds_growth": growth["fds"],
+        "threads_growth": growth["threads"],
+        "steady_rss_growth_mib": round(steady_growth["rss"], 1),
+        "steady_fds_growth": steady_growth["fds"],
         "steady_threads_growth": steady_growth["threads"],
-        "restarts": getattr(dep, "restarts", None), "leaks": leaks, "samples": samples,
+        "restarts": getattr(dep, "restarts", None),
+        "leaks": leaks,
+        "samples": samples,
         "fds_opened_since_steady": sorted(t for fd, t in end_fds.items() if steady_fds.get(fd) != t),
         "summary": f"{syncs} syncs, {len(cells)} faults, {ok} ok, {len(cells) - ok} not ok; RSS +{growth['rss']:.0f} MiB "
-                   f"(+{steady_growth['rss']:.0f} after the first round of faults), fds {growth['fds']:+d}, "
-                   f"threads {growth['threads']:+d}, restarts {getattr(dep, 'restarts', '?')}",
+        f"(+{steady_growth['rss']:.0f} after the first round of faults), fds {growth['fds']:+d}, "
+        f"threads {growth['threads']:+d}, restarts {getattr(dep, 'restarts', '?')}",
     }

@@ -57,8 +57,9 @@ def _deploy(backend_name: str, workdir: Path, engine: str | None, timeout_s: flo
     backend = resolve_backend(backend_name)
     caps = backend.capabilities.restricted_by(engine_capabilities(engine))
     spec = CELL_SPEC if caps.arbitrary_tensors else None
-    return with_timeout(backend, timeout_s).deploy(min(N_RECEIVERS, caps.max_receivers), spec, str(workdir),
-                                                   engine=engine)
+    return with_timeout(backend, timeout_s).deploy(
+        min(N_RECEIVERS, caps.max_receivers), spec, str(workdir), engine=engine
+    )
 
 
 def trainer_main(argv: list[str] | None = None) -> int:
@@ -74,8 +75,10 @@ def trainer_main(argv: list[str] | None = None) -> int:
     model = dep.handles[0].engine.weight_spec()
     push(dep, 1, seeded_weights(model, a.seed * 10 + 1))
     kill_at = random.Random(a.seed).randint(1, 2 * len(model))  # a sender reads each tensor about twice
-    print(json.dumps({"trainer": os.getpid(), "ranks": [r.pid for r in dep.processes()], "kill_at": kill_at}),
-          flush=True)
+    print(
+        json.dumps({"trainer": os.getpid(), "ranks": [r.pid for r in dep.processes()], "kill_at": kill_at}),
+        flush=True,
+    )
     push(dep, 2, KillingTensors(seeded_weights(model, a.seed * 10 + 2), kill_at))
     print(json.dumps({"survived": True}), flush=True)  # the kill point was never reached
     dep.close()
@@ -99,22 +102,39 @@ def _wait_gone(pids: list[int], deadline: float) -> list[int]:
     return alive
 
 
-def run_trainer_kill_cell(backend_name: str, seed: int, workdir: Path, engine: str | None,
-                          timeout_s: float) -> CellResult:
+def run_trainer_kill_cell(
+    backend_name: str, seed: int, workdir: Path, engine: str | None, timeout_s: float
+) -> CellResult:
     result = CellResult(backend_name, KIND, seed, "unknown", [], timeout_s=timeout_s)
-    argv = [sys.executable, "-m", "harness.faults.trainer_kill", "--backend", backend_name, "--workdir", str(workdir),
-            "--timeout", str(timeout_s), "--seed", str(seed)]
+    argv = [
+        sys.executable,
+        "-m",
+        "harness.faults.trainer_kill",
+        "--backend",
+        backend_name,
+        "--workdir",
+        str(workdir),
+        "--timeout",
+        str(timeout_s),
+        "--seed",
+        str(seed),
+    ]
     if engine:
         argv += ["--engine", engine]
     out, err = workdir / "trainer.out", workdir / "trainer.err"
-    with open(out, "w") as fo, open(err, "w") as fe:  # files, not pipes: a rank holding a pipe would delay wait()
+    with (
+        open(out, "w") as fo,
+        open(err, "w") as fe,
+    ):  # files, not pipes: a rank holding a pipe would delay wait()
         proc = subprocess.Popen(argv, stdout=fo, stderr=fe, text=True)
         returncode = proc.wait(timeout=600)
     died_at = time.monotonic()
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     if returncode != -signal.SIGKILL or not lines or "ranks" not in lines[0]:
-        result.reasons = [f"the trainer was not killed mid-push (exit {returncode}): "
-                          f"{(err.read_text() or out.read_text()).strip()[-600:]}"]
+        result.reasons = [
+            f"the trainer was not killed mid-push (exit {returncode}): "
+            f"{(err.read_text() or out.read_text()).strip()[-600:]}"
+        ]
         return result
     trainer, ranks = lines[0]["trainer"], lines[0]["ranks"]
     result.point = f"trainer SIGKILLed at tensor read {lines[0]['kill_at']} of version 2"
@@ -123,7 +143,9 @@ def run_trainer_kill_cell(backend_name: str, seed: int, workdir: Path, engine: s
     survivors = _wait_gone(ranks, died_at + 2 * timeout_s)
     result.detect_s = round(time.monotonic() - died_at, 3)
     if survivors:
-        problems.append(f"rank processes {survivors} outlived the trainer by more than 2x the {timeout_s:g}s timeout")
+        problems.append(
+            f"rank processes {survivors} outlived the trainer by more than 2x the {timeout_s:g}s timeout"
+        )
         for pid in survivors:
             os.kill(pid, signal.SIGKILL)
     visible = sorted(p.name for p in workdir.rglob("v0000000002.*"))
@@ -141,11 +163,16 @@ def run_trainer_kill_cell(backend_name: str, seed: int, workdir: Path, engine: s
             push(dep, 1, weights[1])
             push(dep, 2, weights[2])
             for i, h in enumerate(dep.handles):
-                version, bad = h.engine.weight_version, bitwise_mismatches(weights[2], h.engine.read_weights())
+                version, bad = (
+                    h.engine.weight_version,
+                    bitwise_mismatches(weights[2], h.engine.read_weights()),
+                )
                 if version != 2 or bad:
                     problems.append(f"after recovery engine {i} serves {version} ({bad[:1]})")
         except Exception as exc:  # noqa: BLE001
-            problems.append(f"no recovery: the new trainer's pushes failed: {type(exc).__name__}: {str(exc)[:400]}")
+            problems.append(
+                f"no recovery: the new trainer's pushes failed: {type(exc).__name__}: {str(exc)[:400]}"
+            )
         finally:
             dep.close()
         left = [str(p) for p in workdir.rglob("*.tmp-*")]
@@ -153,8 +180,10 @@ def run_trainer_kill_cell(backend_name: str, seed: int, workdir: Path, engine: s
             problems.append(f"the dead writer's temporary directories were not swept: {left[:3]}")
         segments = own_segments(trainer)  # the new trainer must have released what the dead one held
         if segments:
-            problems.append(f"/dev/shm segments of the dead trainer still there after a new trainer started: "
-                            f"{segments[:5]}")
+            problems.append(
+                f"/dev/shm segments of the dead trainer still there after a new trainer started: "
+                f"{segments[:5]}"
+            )
     result.recover_s = round(time.monotonic() - t1, 3)
     result.verdict, result.reasons = ("fail", problems) if problems else ("ok", [])
     return result

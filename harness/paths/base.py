@@ -18,6 +18,7 @@ from harness.api import JSON, Engine, InPlaceLoad, ManifestMismatch, Receiver, W
 from harness.lifecycle import NEW, READY, UPDATING, Lifecycle
 from harness.manifest import Manifest, dtype_name
 
+
 def manifest_of(update_info: JSON) -> Manifest:
     if not isinstance(update_info, Mapping) or "manifest" not in update_info:
         raise ManifestMismatch("update_info carries no 'manifest'")
@@ -98,7 +99,9 @@ class StagingReceiver(Receiver, abc.ABC):
                     self._lc.check_same_version(manifest.version)
                     twice = sorted(set(manifest.names) & self._arrived)
                     if twice:
-                        raise ManifestMismatch(f"version {manifest.version}: tensor(s) {twice[:5]} sent twice")
+                        raise ManifestMismatch(
+                            f"version {manifest.version}: tensor(s) {twice[:5]} sent twice"
+                        )
                 except WeightSyncError as exc:
                     if not self.must_drain:
                         raise
@@ -114,8 +117,9 @@ class StagingReceiver(Receiver, abc.ABC):
                 for name in manifest.names:
                     if name not in received:
                         raise ManifestMismatch(f"version {manifest.version}: tensor {name!r} did not arrive")
-                manifest.verify_all({name: received[name] for name in manifest.names
-                                     if name not in self.verified_in_transfer})
+                manifest.verify_all(
+                    {name: received[name] for name in manifest.names if name not in self.verified_in_transfer}
+                )
                 if self.engine.loads_in_place:  # streamed into the live weights now, as vLLM loads
                     if self._load is None:
                         self._load = self.engine.begin_in_place_load(manifest.version)
@@ -163,5 +167,5 @@ class StagingReceiver(Receiver, abc.ABC):
     def _receive(self, manifest: Manifest, update_info: JSON) -> dict[str, torch.Tensor]:
         """Fetch every tensor of `manifest` (copies, on CPU); the base class verifies them."""
 
-    def _shutdown(self) -> None:  # noqa: B027 - optional hook
+    def _shutdown(self) -> None:
         pass

@@ -18,10 +18,19 @@ import torch
 import torch.distributed as dist
 
 from harness import phases
-from harness.api import DEFAULT_TIMEOUT_S, JSON, apply_cut, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import (
+    DEFAULT_TIMEOUT_S,
+    JSON,
+    Backend,
+    Capabilities,
+    ManifestMismatch,
+    Sender,
+    TransferError,
+    WeightSpec,
+    apply_cut,
+)
 from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest, as_bytes
 from harness.paths.base import StagingReceiver
-
 
 # The trailer every transfer ends with: [status, bucket]. A trainer that fails mid-transfer still sends
 # every bucket (filler), so no rank is left blocked and the group stays usable, then says ABANDONED.
@@ -126,14 +135,18 @@ class BroadcastSender(Sender):
     def init(self) -> JSON:
         timeout = datetime.timedelta(seconds=self.timeout_s)
         if self.port is None:
-            store = dist.TCPStore(self.addr, 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False)
+            store = dist.TCPStore(
+                self.addr, 0, self.world, is_master=True, timeout=timeout, wait_for_workers=False
+            )
         else:
             store = dist.TCPStore(self.addr, self.port, self.world, is_master=False, timeout=timeout)
         self._store = store
 
         def join() -> None:  # forming the group is collective: it completes once every rank joined
             try:
-                self._group = make_group(self.backend, self.addr, store.port, 0, self.world, self.timeout_s, store)
+                self._group = make_group(
+                    self.backend, self.addr, store.port, 0, self.world, self.timeout_s, store
+                )
             except BaseException as exc:  # noqa: BLE001 - surfaced by transmit()
                 self._join_error = exc
 
@@ -151,7 +164,9 @@ class BroadcastSender(Sender):
         if self._join is not None:
             self._join.join(self.timeout_s)
             if self._join.is_alive():
-                raise TransferError(f"receivers did not join the {self.backend} group within {self.timeout_s}s")
+                raise TransferError(
+                    f"receivers did not join the {self.backend} group within {self.timeout_s}s"
+                )
             self._join = None
         if self._join_error is not None:
             raise TransferError(f"forming the {self.backend} group failed: {self._join_error}")
@@ -177,19 +192,30 @@ class BroadcastSender(Sender):
         n = len(manifest.bucket_sizes)
         failure: list[tuple[int, BaseException]] = []
 
-        spare: list[torch.Tensor] = []  # two pack buffers, reused: bucket b is packed while b-1 is on the wire
+        spare: list[
+            torch.Tensor
+        ] = []  # two pack buffers, reused: bucket b is packed while b-1 is on the wire
         packed = itertools.count()
 
         def bucket(b: int, size: int) -> torch.Tensor:
             entries = manifest.bucket_entries(b)
             t = tensors[entries[0].name] if len(entries) == 1 else None
-            if (self.tap is None and t is not None and entries[0].nbytes == size and t.device == self.device
-                    and t.is_contiguous()):
+            if (
+                self.tap is None
+                and t is not None
+                and entries[0].nbytes == size
+                and t.device == self.device
+                and t.is_contiguous()
+            ):
                 return as_bytes(t)  # a bucket that is one whole tensor goes on the wire as it is: no copy
             slot = next(packed) % 2
             if len(spare) <= slot:
                 spare.append(torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device))
-            out = spare[slot][:size] if spare[slot].numel() >= size else torch.empty(size, dtype=torch.uint8, device=self.device)
+            out = (
+                spare[slot][:size]
+                if spare[slot].numel() >= size
+                else torch.empty(size, dtype=torch.uint8, device=self.device)
+            )
             return manifest.pack_bucket(b, tensors, out=out)
 
         def buckets():
@@ -257,8 +283,13 @@ class BroadcastReceiver(StagingReceiver):
 
         broadcast_buckets(
             self._group,
-            ((torch.empty(size, dtype=torch.uint8, device=self.device), f"version {manifest.version} bucket {b}/{n}")
-             for b, size in enumerate(manifest.bucket_sizes)),
+            (
+                (
+                    torch.empty(size, dtype=torch.uint8, device=self.device),
+                    f"version {manifest.version} bucket {b}/{n}",
+                )
+                for b, size in enumerate(manifest.bucket_sizes)
+            ),
             lambda b, buf: None if mismatch else arrived(b, buf),
         )
         trailer = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -296,26 +327,45 @@ class BroadcastBackend(Backend):
     name = "broadcast"
     sender_cls = BroadcastSender
 
-    def __init__(self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S
+    ):
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.capabilities = Capabilities(multi_receiver=True, max_receivers=16, gpu=backend == "nccl",
-                                         interposable=True, buckets=True)
+        self.capabilities = Capabilities(
+            multi_receiver=True, max_receivers=16, gpu=backend == "nccl", interposable=True, buckets=True
+        )
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
-               bucket_bytes: int | None = None):
+    def deploy(
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        bucket_bytes: int | None = None,
+    ):
         from harness.launch import RankDeployment
 
         return self.deploy_with(RankDeployment, n_receivers, spec, workdir, engine, bucket_bytes=bucket_bytes)
 
-    def deploy_with(self, deployment_cls, n_receivers: int, spec: WeightSpec | None, workdir: str,
-                    engine: str | None = None, addr: str | None = None, bucket_bytes: int | None = None, **extra):
+    def deploy_with(
+        self,
+        deployment_cls,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        addr: str | None = None,
+        bucket_bytes: int | None = None,
+        **extra,
+    ):
         """This path's wiring in another RankDeployment class (ranks placed elsewhere, e.g. containers),
         the sender's store at `addr` (the trainer's address as the ranks see it)."""
         return deployment_cls(
-            sender=self.sender_cls(n_receivers, self.backend, bucket_bytes or self.bucket_bytes, self.timeout_s,
-                                   addr=addr),
+            sender=self.sender_cls(
+                n_receivers, self.backend, bucket_bytes or self.bucket_bytes, self.timeout_s, addr=addr
+            ),
             receiver_path="harness.paths.broadcast:BroadcastReceiver",
             n_receivers=n_receivers,
             spec=spec,

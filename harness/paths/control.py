@@ -44,8 +44,10 @@ class SupervisedHttpReceiver(HttpReceiver):
             return call(*args)
         except TransferError as exc:  # no answer, or no connection: the server cannot be trusted now
             self._kill(str(exc).splitlines()[0])
-            exc.add_note(f"receiver: rank {self.rank.rank} (pid {self.rank.pid}, {self.client.base_url}) killed; log "
-                         f"tail:\n{self.rank.log_tail(10)}")
+            exc.add_note(
+                f"receiver: rank {self.rank.rank} (pid {self.rank.pid}, {self.client.base_url}) killed; log "
+                f"tail:\n{self.rank.log_tail(10)}"
+            )
             raise
         except Exception as exc:
             exc.add_note(f"receiver: rank {self.rank.rank} ({self.client.base_url})")
@@ -81,22 +83,40 @@ class SupervisedHttpReceiver(HttpReceiver):
 class ControlDeployment(RankDeployment):
     """Disk sender in the trainer; per rank an engine, a DiskReceiver and a control server."""
 
-    def __init__(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None, timeout_s: float):
+    def __init__(
+        self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None, timeout_s: float
+    ):
         self._token = secrets.token_urlsafe(24)
         self._root = Path(workdir) / "checkpoints"
         # half the timeout per call, and a call that timed out is not repeated (the server is frozen or
         # blocked: the supervisor kills it): a finish whose answer timed out also asks /weight_info, and
         # the failed push then aborts everywhere; all of it must fit in 2x the timeout. A connection cut
         # or an answer lost is repeated once, with the same Idempotency-Key: the server replays it.
-        self._timeouts = Timeouts(connect=timeout_s / 2, control=timeout_s / 2, update=timeout_s / 2,
-                                  write=timeout_s / 2, pause=timeout_s, stream_idle=timeout_s)
+        self._timeouts = Timeouts(
+            connect=timeout_s / 2,
+            control=timeout_s / 2,
+            update=timeout_s / 2,
+            write=timeout_s / 2,
+            pause=timeout_s,
+            stream_idle=timeout_s,
+        )
         self._clients: list[ControlClient] = []
-        super().__init__(DiskSender(self._root), "harness.paths.disk:DiskReceiver", n_receivers, spec, engine,
-                         workdir, lambda info, rank: info, timeout_s)
+        super().__init__(
+            DiskSender(self._root),
+            "harness.paths.disk:DiskReceiver",
+            n_receivers,
+            spec,
+            engine,
+            workdir,
+            lambda info, rank: info,
+            timeout_s,
+        )
 
     def _handle_for(self, rank: RankProcess) -> EngineHandle:
         url = rank.call("serve_control", token=self._token, allowed_dirs=[str(self._root)])
-        client = ControlClient(url, token=self._token, timeouts=self._timeouts, retries=1, retry_timeouts=False)
+        client = ControlClient(
+            url, token=self._token, timeouts=self._timeouts, retries=1, retry_timeouts=False
+        )
         self._clients.append(client)
         return EngineHandle(SupervisedHttpReceiver(client, rank), HttpEngine(client, direct=RankEngine(rank)))
 
@@ -124,8 +144,14 @@ class ControlBackend(Backend):
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = timeout_s
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
-               bucket_bytes: int | None = None):
+    def deploy(
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        bucket_bytes: int | None = None,
+    ):
         return ControlDeployment(n_receivers, spec, workdir, engine, self.timeout_s)
 
 

@@ -15,7 +15,16 @@ from collections.abc import Mapping
 import torch
 
 from harness import phases
-from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, BaseMismatch, Capabilities, ManifestMismatch, Sender, WeightSpec
+from harness.api import (
+    DEFAULT_TIMEOUT_S,
+    JSON,
+    Backend,
+    BaseMismatch,
+    Capabilities,
+    ManifestMismatch,
+    Sender,
+    WeightSpec,
+)
 from harness.manifest import Manifest, as_bytes, digest, digests_like, from_bytes
 from harness.paths import delta_codec as codec
 from harness.paths.base import StagingReceiver, manifest_of
@@ -42,7 +51,10 @@ class DeltaStats:
 
 
 def encode_delta(
-    base: Mapping[str, torch.Tensor] | None, new: Mapping[str, torch.Tensor], max_sparse_fraction: float, version: int,
+    base: Mapping[str, torch.Tensor] | None,
+    new: Mapping[str, torch.Tensor],
+    max_sparse_fraction: float,
+    version: int,
     base_digests: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, JSON], DeltaStats]:
     """Payload tensors (uint8) and per-tensor patch descriptors for base -> new (`base_digests`: the
@@ -76,7 +88,12 @@ def encode_delta(
             enc, values, base_digest = sparse
             payload[f"{name}#idx"] = enc.data
             payload[f"{name}#val"] = values
-            entries[name] = {"mode": "sparse", "encoding": enc.encoding, "count": enc.count, "base_digest": base_digest}
+            entries[name] = {
+                "mode": "sparse",
+                "encoding": enc.encoding,
+                "count": enc.count,
+                "base_digest": base_digest,
+            }
             stats.sparse_tensors += 1
             stats.moved_bytes += enc.data.numel() + values.numel()
     return payload, entries, stats
@@ -110,10 +127,16 @@ class DeltaSender(Sender):
         base_version, base, base_digests = self._base if self._base else (None, None, None)
         manifest = Manifest.build(version, named_tensors, bucket_bytes=1 << 62)
         with phases.phase("pack"):  # extracting the patch, and keeping this version as the next base
-            payload, entries, stats = encode_delta(base, named_tensors, self.max_sparse_fraction, version, base_digests)
+            payload, entries, stats = encode_delta(
+                base, named_tensors, self.max_sparse_fraction, version, base_digests
+            )
             if self._pending is not None:  # prepared, never completed
                 self._spare = self._pending[1]
-            self._pending = (version, self._snapshot(named_tensors), {e.name: e.digest for e in manifest.entries})
+            self._pending = (
+                version,
+                self._snapshot(named_tensors),
+                {e.name: e.digest for e in manifest.entries},
+            )
         self.history.append(stats)
         self.last_payload = payload
         return {
@@ -131,7 +154,8 @@ class DeltaSender(Sender):
         spare, self._spare = self._spare, {}
         fits = spare.keys() == named_tensors.keys() and all(
             spare[n].shape == t.shape and spare[n].dtype == t.dtype and spare[n].device == t.device
-            for n, t in named_tensors.items())
+            for n, t in named_tensors.items()
+        )
         if fits:
             for n, t in named_tensors.items():
                 spare[n].copy_(t.detach())
@@ -172,19 +196,21 @@ class DeltaReceiver(StagingReceiver):
         self.must_drain = self.transport.must_drain
 
     def _init(self, init_info: JSON) -> None:
-        self.transport._init(init_info)  # noqa: SLF001 - same data plane, this receiver's lifecycle
+        self.transport._init(init_info)
 
     def _receive(self, manifest: Manifest, update_info: JSON) -> dict[str, torch.Tensor]:
         payload_info = dict(update_info.get("payload") or {})
         payload_manifest = manifest_of(payload_info)
-        payload = self.transport._receive(payload_manifest, payload_info)  # noqa: SLF001
+        payload = self.transport._receive(payload_manifest, payload_info)
         with phases.phase("verify"):  # the patch itself must be intact before it is applied
             for name in payload_manifest.names:
                 payload_manifest.verify(name, payload[name])
         delta = update_info.get("delta") or {}
         entries = delta.get("entries") or {}
         if sorted(entries) != sorted(manifest.names):
-            raise ManifestMismatch(f"version {manifest.version}: delta entries do not match the manifest's tensors")
+            raise ManifestMismatch(
+                f"version {manifest.version}: delta entries do not match the manifest's tensors"
+            )
         sparse = [n for n, e in entries.items() if e.get("mode") == "sparse"]
         current = self.engine.read_weights() if sparse else {}
         if sparse and delta.get("base_version") != self.engine.weight_version:
@@ -195,8 +221,13 @@ class DeltaReceiver(StagingReceiver):
         with phases.phase("unpack"):  # patching staging copies of the base
             return self._apply(manifest, entries, payload, current)
 
-    def _apply(self, manifest: Manifest, entries: JSON, payload: dict[str, torch.Tensor],
-               current: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _apply(
+        self,
+        manifest: Manifest,
+        entries: JSON,
+        payload: dict[str, torch.Tensor],
+        current: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, e in entries.items():
             spec = manifest.entry(name)
@@ -211,10 +242,14 @@ class DeltaReceiver(StagingReceiver):
                     f"version {manifest.version}: tensor {name!r} on the engine (version {self.engine.weight_version}) "
                     "is not the patch's base (digest differs); refused"
                 )
-            enc = codec.EncodedIndices(str(e.get("encoding")), payload[f"{name}#idx"], int(e.get("count", -1)))
+            enc = codec.EncodedIndices(
+                str(e.get("encoding")), payload[f"{name}#idx"], int(e.get("count", -1))
+            )
             idx = codec.decode_indices(enc, base.numel())
             # read_weights() copied the base out (the Engine contract): patch that copy in place
-            out[name] = codec.apply_patch(base, idx, payload[f"{name}#val"], in_place=True).reshape(spec.shape)
+            out[name] = codec.apply_patch(base, idx, payload[f"{name}#val"], in_place=True).reshape(
+                spec.shape
+            )
         return out
 
     def rebind(self, engine) -> None:
@@ -222,7 +257,7 @@ class DeltaReceiver(StagingReceiver):
         self.transport.engine = engine
 
     def _shutdown(self) -> None:
-        self.transport._shutdown()  # noqa: SLF001
+        self.transport._shutdown()
 
 
 class DeltaIpcReceiver(DeltaReceiver):
@@ -232,8 +267,14 @@ class DeltaIpcReceiver(DeltaReceiver):
 class DeltaBackend(Backend):
     """Built-in backends `delta` (over broadcast) and `delta-ipc` (over shared memory)."""
 
-    def __init__(self, transport: str = "broadcast", max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION,
-                 device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int | None = None):
+    def __init__(
+        self,
+        transport: str = "broadcast",
+        max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION,
+        device: str = "cpu",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        bucket_bytes: int | None = None,
+    ):
         self.transport = transport
         # the patch's payload travels in the transport's units (its default where None is given)
         self.bucket_bytes = bucket_bytes or (1 << 20 if transport == "broadcast" else IPC_BUCKET_BYTES)
@@ -241,19 +282,34 @@ class DeltaBackend(Backend):
         self.max_sparse_fraction = max_sparse_fraction
         self.device = device
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
-        self.capabilities = Capabilities(delta=True, ipc=transport == "ipc", multi_receiver=True, max_receivers=8,
-                                         gpu=device != "cpu", interposable=device == "cpu" or transport == "broadcast",
-                                         buckets=True)
+        self.capabilities = Capabilities(
+            delta=True,
+            ipc=transport == "ipc",
+            multi_receiver=True,
+            max_receivers=8,
+            gpu=device != "cpu",
+            interposable=device == "cpu" or transport == "broadcast",
+            buckets=True,
+        )
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
-               bucket_bytes: int | None = None):
+    def deploy(
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        bucket_bytes: int | None = None,
+    ):
         from harness.launch import RankDeployment
 
         unit = bucket_bytes or self.bucket_bytes
         if self.transport == "broadcast":
             backend = "nccl" if self.device != "cpu" else "gloo"
             transport: Sender = BroadcastSender(n_receivers, backend, unit, timeout_s=self.timeout_s)
-            receiver_path, rank_info = "harness.paths.delta:DeltaReceiver", (lambda info, rank: {**info, "rank": rank})
+            receiver_path, rank_info = (
+                "harness.paths.delta:DeltaReceiver",
+                (lambda info, rank: {**info, "rank": rank}),
+            )
         else:
             transport = IpcSender(self.device, unit)
             receiver_path, rank_info = "harness.paths.delta:DeltaIpcReceiver", (lambda info, rank: info)

@@ -28,7 +28,9 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 def changed_indices(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Flat int64 indices of elements whose raw bits differ."""
     if old.shape != new.shape or old.dtype != new.dtype:
-        raise ManifestMismatch(f"cannot diff {tuple(old.shape)} {old.dtype} against {tuple(new.shape)} {new.dtype}")
+        raise ManifestMismatch(
+            f"cannot diff {tuple(old.shape)} {old.dtype} against {tuple(new.shape)} {new.dtype}"
+        )
     old_bits, new_bits = int_view(old).reshape(-1), int_view(new).reshape(-1)
     width = old.element_size()
     per_word = 8 // width
@@ -103,7 +105,9 @@ def gather_values(new: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return int_view(new)[idx].contiguous().view(torch.uint8)
 
 
-def apply_patch(base: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+def apply_patch(
+    base: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, in_place: bool = False
+) -> torch.Tensor:
     """A copy of `base` with the patch scattered in by raw bits (`in_place`: into `base` itself, when it
     is the caller's own contiguous copy)."""
     if in_place and base.is_contiguous():
@@ -112,7 +116,9 @@ def apply_patch(base: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, in_
         out = base.detach().clone(memory_format=torch.contiguous_format)
     width = out.element_size()
     if values.numel() != idx.numel() * width:
-        raise ManifestMismatch(f"patch has {values.numel()} value bytes for {idx.numel()} indices of width {width}")
+        raise ManifestMismatch(
+            f"patch has {values.numel()} value bytes for {idx.numel()} indices of width {width}"
+        )
     if idx.numel():
         int_view(out)[idx] = values.view(_INT_VIEW[width])
     return out

@@ -16,10 +16,20 @@ import safetensors.torch
 import torch
 
 from harness import phases
-from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Tap, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import (
+    DEFAULT_TIMEOUT_S,
+    JSON,
+    Backend,
+    Capabilities,
+    ManifestMismatch,
+    Sender,
+    Tap,
+    TransferError,
+    WeightSpec,
+)
 from harness.manifest import Manifest
-from harness.procs import pid_alive
 from harness.paths.base import StagingReceiver
+from harness.procs import pid_alive
 
 MANIFEST_FILE = "manifest.json"
 DEFAULT_SHARD_BYTES = 256 << 20
@@ -75,7 +85,10 @@ def _tap_file(tap: Tap, bucket: int, path: Path) -> None:
 
 
 def write_checkpoint(
-    root: Path, manifest: Manifest, named_tensors: Mapping[str, torch.Tensor], attempt: int = 0,
+    root: Path,
+    manifest: Manifest,
+    named_tensors: Mapping[str, torch.Tensor],
+    attempt: int = 0,
     tap: Tap | None = None,
 ) -> Path:
     """Write `manifest`'s version under `root` with the commit protocol above; returns its directory.
@@ -167,7 +180,9 @@ class DiskSender(Sender):
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
         manifest = Manifest.build(version, named_tensors, self.shard_bytes)
         self._attempts += 1
-        while version_dir(self.run_dir, version, self._attempts).exists():  # a restarted trainer's earlier tries
+        while version_dir(
+            self.run_dir, version, self._attempts
+        ).exists():  # a restarted trainer's earlier tries
             self._attempts += 1
         directory = write_checkpoint(self.run_dir, manifest, named_tensors, self._attempts, self.tap)
         self._written.append(directory)
@@ -199,7 +214,9 @@ class DiskReceiver(StagingReceiver):
         try:
             on_disk = Manifest.loads(mpath.read_bytes())
         except FileNotFoundError:
-            raise ManifestMismatch(f"version {manifest.version}: {mpath} missing: checkpoint not committed") from None
+            raise ManifestMismatch(
+                f"version {manifest.version}: {mpath} missing: checkpoint not committed"
+            ) from None
         if on_disk != manifest:
             raise ManifestMismatch(
                 f"version {manifest.version}: the checkpoint at {directory} (version {on_disk.version}) is not "
@@ -223,8 +240,14 @@ class DiskBackend(Backend):
     def bucket_bytes(self) -> int:  # a shard file is this path's bucket
         return self.shard_bytes
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
-               bucket_bytes: int | None = None):
+    def deploy(
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        bucket_bytes: int | None = None,
+    ):
         from harness.launch import RankDeployment
 
         return RankDeployment(
@@ -241,4 +264,3 @@ class DiskBackend(Backend):
 
 def make_backend() -> DiskBackend:
     return DiskBackend()
-

@@ -24,10 +24,19 @@ from multiprocessing import shared_memory
 import torch
 
 from harness import phases
-from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Capabilities, ManifestMismatch, Sender, TransferError, WeightSpec
+from harness.api import (
+    DEFAULT_TIMEOUT_S,
+    JSON,
+    Backend,
+    Capabilities,
+    ManifestMismatch,
+    Sender,
+    TransferError,
+    WeightSpec,
+)
 from harness.manifest import Manifest
-from harness.procs import pid_alive
 from harness.paths.base import StagingReceiver
+from harness.procs import pid_alive
 
 TOKEN_BYTES = 16  # every buffer starts with the sync's token; payload follows
 SEGMENT_PREFIX = "wsync-"
@@ -44,7 +53,9 @@ def _map_segment(name: str) -> mmap.mmap:
     try:
         fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
     except FileNotFoundError:
-        raise TransferError(f"shared-memory segment {name!r} does not exist: stale handle (already released?)") from None
+        raise TransferError(
+            f"shared-memory segment {name!r} does not exist: stale handle (already released?)"
+        ) from None
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
     finally:
@@ -53,10 +64,20 @@ def _map_segment(name: str) -> mmap.mmap:
 
 def cuda_handle(buf: torch.Tensor) -> JSON:
     """JSON-able CUDA IPC handle of a device buffer's storage."""
-    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = buf.untyped_storage()._share_cuda_()
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        buf.untyped_storage()._share_cuda_()
+    )
     b64 = lambda b: base64.b64encode(b).decode() if b else None  # noqa: E731
-    return {"device": device, "handle": b64(handle), "size": size, "offset": offset, "ref_handle": b64(ref_handle),
-            "ref_offset": ref_offset, "event_handle": b64(event_handle), "event_sync": event_sync}
+    return {
+        "device": device,
+        "handle": b64(handle),
+        "size": size,
+        "offset": offset,
+        "ref_handle": b64(ref_handle),
+        "ref_offset": ref_offset,
+        "event_handle": b64(event_handle),
+        "event_sync": event_sync,
+    }
 
 
 def open_cuda_handle(h: JSON) -> torch.Tensor:
@@ -64,11 +85,19 @@ def open_cuda_handle(h: JSON) -> torch.Tensor:
     torch.cuda.init()  # opening a handle in a process that has not touched CUDA yet crashes it
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            h["device"], unb64(h["handle"]), h["size"], h["offset"], unb64(h["ref_handle"]), h["ref_offset"],
-            unb64(h["event_handle"]), h["event_sync"],
+            h["device"],
+            unb64(h["handle"]),
+            h["size"],
+            h["offset"],
+            unb64(h["ref_handle"]),
+            h["ref_offset"],
+            unb64(h["event_handle"]),
+            h["event_sync"],
         )
     except (RuntimeError, KeyError, TypeError) as exc:
-        raise TransferError(f"cannot open CUDA IPC handle (foreign or stale handle?): {type(exc).__name__}: {exc}") from None
+        raise TransferError(
+            f"cannot open CUDA IPC handle (foreign or stale handle?): {type(exc).__name__}: {exc}"
+        ) from None
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
@@ -76,7 +105,7 @@ def _reserve(shm: shared_memory.SharedMemory, name: str) -> None:
     """Back every page of a new segment now: on a full /dev/shm this raises, where writing into a
     sparse mapping would kill the trainer with SIGBUS."""
     try:
-        os.posix_fallocate(shm._fd, 0, shm.size)  # noqa: SLF001 - the segment's own descriptor
+        os.posix_fallocate(shm._fd, 0, shm.size)
     except OSError as exc:
         raise TransferError(
             f"cannot reserve {shm.size} bytes of shared memory for segment {name}: {exc.strerror or exc} "
@@ -115,10 +144,12 @@ class IpcSender(Sender):
                 view = torch.frombuffer(shm.buf, dtype=torch.uint8)
                 manifest.pack_bucket(b, named_tensors, out=view[TOKEN_BYTES:])  # packed in place: one copy
                 keep = self.tap(b, view[TOKEN_BYTES:], shm.name) if self.tap is not None else None
-                view[:TOKEN_BYTES].copy_(token_t)  # last: a receiver never sees this sync's token on a half-packed bucket
+                view[:TOKEN_BYTES].copy_(
+                    token_t
+                )  # last: a receiver never sees this sync's token on a half-packed bucket
                 del view  # no exported pointer may outlive the mapping
                 if keep is not None and 0 <= keep < size:
-                    os.ftruncate(shm._fd, TOKEN_BYTES + keep)  # noqa: SLF001 - the segment ends early
+                    os.ftruncate(shm._fd, TOKEN_BYTES + keep)
                 buffers.append({"shm": shm.name, "size": size})
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -127,7 +158,7 @@ class IpcSender(Sender):
     def _fit_segments(self, sizes) -> None:
         """One segment of exactly TOKEN_BYTES + size per bucket: kept where it fits, new where not."""
         for b, size in enumerate(sizes):
-            if b < len(self._segments) and os.fstat(self._segments[b]._fd).st_size == TOKEN_BYTES + size:  # noqa: SLF001
+            if b < len(self._segments) and os.fstat(self._segments[b]._fd).st_size == TOKEN_BYTES + size:
                 continue
             with phases.phase("alloc"):
                 if b < len(self._segments):
@@ -146,9 +177,9 @@ class IpcSender(Sender):
                     self._segments[b] = shm
                 else:
                     self._segments.append(shm)
-        for shm in self._segments[len(sizes):]:
+        for shm in self._segments[len(sizes) :]:
             _release(shm)
-        del self._segments[len(sizes):]
+        del self._segments[len(sizes) :]
 
     def transmit(self) -> None:
         """Nothing moves: the bytes already sit in memory the receivers map."""
@@ -162,7 +193,7 @@ class IpcSender(Sender):
             torch.cuda.synchronize(self.device)
         self._cuda_buffers.clear()
         for shm in self._segments:
-            if os.fstat(shm._fd).st_size >= TOKEN_BYTES:  # noqa: SLF001 - a cut segment may be shorter
+            if os.fstat(shm._fd).st_size >= TOKEN_BYTES:
                 shm.buf[:TOKEN_BYTES] = bytes(TOKEN_BYTES)
 
     def shutdown(self) -> None:
@@ -209,12 +240,16 @@ class IpcReceiver(StagingReceiver):
         if "cuda" in ref:
             buf = open_cuda_handle(ref["cuda"])
             if buf.numel() < TOKEN_BYTES + size:
-                raise TransferError(f"CUDA buffer of bucket {b} holds {buf.numel()} bytes, expected {TOKEN_BYTES + size}")
+                raise TransferError(
+                    f"CUDA buffer of bucket {b} holds {buf.numel()} bytes, expected {TOKEN_BYTES + size}"
+                )
             head = bytes(buf[:TOKEN_BYTES].cpu().numpy())
             self._check_token(head, token, f"CUDA buffer of bucket {b}")
             # unpack (and digest) on the GPU that holds the bytes, then move to the receiver's device (a GPU
             # engine's, or host memory for a CPU engine): the digest never runs on the host
-            tensors = manifest.unpack_bucket(b, buf[TOKEN_BYTES : TOKEN_BYTES + size], verified=self._fused_verified())
+            tensors = manifest.unpack_bucket(
+                b, buf[TOKEN_BYTES : TOKEN_BYTES + size], verified=self._fused_verified()
+            )
             return {n: t.to(self.device or "cpu") for n, t in tensors.items()}
         name = str(ref.get("shm"))
         mapping = _map_segment(name)
@@ -222,7 +257,9 @@ class IpcReceiver(StagingReceiver):
             view = torch.frombuffer(mapping, dtype=torch.uint8)
             try:
                 if view.numel() < TOKEN_BYTES + size:
-                    raise TransferError(f"segment {name} holds {view.numel()} bytes, expected {TOKEN_BYTES + size}")
+                    raise TransferError(
+                        f"segment {name} holds {view.numel()} bytes, expected {TOKEN_BYTES + size}"
+                    )
                 self._check_token(bytes(view[:TOKEN_BYTES].numpy()), token, f"segment {name}")
                 return manifest.unpack_bucket(b, view[TOKEN_BYTES : TOKEN_BYTES + size])  # copies out
             finally:
@@ -239,8 +276,10 @@ class IpcReceiver(StagingReceiver):
         if head == bytes(TOKEN_BYTES):
             raise TransferError(f"{what} was released by its sync (token wiped): stale handle")
         if head != token:
-            raise TransferError(f"{what} belongs to another sync (token {head.hex()[:12]}..., expected "
-                                f"{token.hex()[:12]}...): foreign or stale handle")
+            raise TransferError(
+                f"{what} belongs to another sync (token {head.hex()[:12]}..., expected "
+                f"{token.hex()[:12]}...): foreign or stale handle"
+            )
 
 
 class IpcBackend(Backend):
@@ -248,16 +287,32 @@ class IpcBackend(Backend):
 
     name = "ipc"
 
-    def __init__(self, device: str = "cpu", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        device: str = "cpu",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
         self.device = device
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.capabilities = Capabilities(ipc=True, multi_receiver=True, max_receivers=8, gpu=device != "cpu",
-                                         interposable=device == "cpu", buckets=True)
+        self.capabilities = Capabilities(
+            ipc=True,
+            multi_receiver=True,
+            max_receivers=8,
+            gpu=device != "cpu",
+            interposable=device == "cpu",
+            buckets=True,
+        )
 
-    def deploy(self, n_receivers: int, spec: WeightSpec | None, workdir: str, engine: str | None = None,
-               bucket_bytes: int | None = None):
+    def deploy(
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        bucket_bytes: int | None = None,
+    ):
         from harness.launch import RankDeployment
 
         return RankDeployment(
@@ -300,7 +355,7 @@ def sweep_abandoned_segments() -> list[str]:
     release what it allocated, and its resource tracker may have died with it."""
     removed = []
     for name in live_segments():
-        pid = name[len(SEGMENT_PREFIX):].split("-", 1)[0]
+        pid = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             try:
                 os.unlink(f"/dev/shm/{name}")

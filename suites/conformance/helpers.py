@@ -23,7 +23,10 @@ LONG = 48  # tokens of a request that is expected to run to its end
 ABORTED_LEN = 4096
 KEPT_LEN = 512
 PI_PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
-PREFIX_BLOCKS = (PREFIX_BLOCK, 16)  # prefix-cache block sizes: the reference engine's, vLLM's (prompts cut at both)
+PREFIX_BLOCKS = (
+    PREFIX_BLOCK,
+    16,
+)  # prefix-cache block sizes: the reference engine's, vLLM's (prompts cut at both)
 _ids = itertools.count()
 
 
@@ -47,12 +50,18 @@ def snapshot(deployment: Deployment) -> list[tuple[int, dict[str, torch.Tensor]]
     return [(h.engine.weight_version, h.engine.read_weights()) for h in deployment.handles]
 
 
-def assert_engines_hold(deployment: Deployment, version: int, expected: dict[str, torch.Tensor], context: str, rerun=""):
+def assert_engines_hold(
+    deployment: Deployment, version: int, expected: dict[str, torch.Tensor], context: str, rerun=""
+):
     """Every engine serves `version` and holds `expected` bit for bit (read through the oracle)."""
     for i, h in enumerate(deployment.handles):
         got_version = h.engine.weight_version
-        assert got_version == version, f"{context}: engine {i} serves version {got_version}, expected {version}"
-        assert_bitwise_equal(expected, h.engine.read_weights(), f"{context}: engine {i} at version {version}", rerun)
+        assert got_version == version, (
+            f"{context}: engine {i} serves version {got_version}, expected {version}"
+        )
+        assert_bitwise_equal(
+            expected, h.engine.read_weights(), f"{context}: engine {i} at version {version}", rerun
+        )
 
 
 def assert_unchanged(deployment: Deployment, before, context: str) -> None:
@@ -63,11 +72,12 @@ def assert_unchanged(deployment: Deployment, before, context: str) -> None:
         assert_bitwise_equal(weights, h.engine.read_weights(), f"{context}: engine {i} weights changed")
 
 
-def push_and_check(deployment: Deployment, version: int, tensors: dict[str, torch.Tensor], context: str, rerun=""):
+def push_and_check(
+    deployment: Deployment, version: int, tensors: dict[str, torch.Tensor], context: str, rerun=""
+):
     push(deployment, version, tensors)
     expected = {n: t.contiguous() for n, t in tensors.items()}
     assert_engines_hold(deployment, version, expected, context, rerun)
-
 
 
 def deliver_tampered(deployment: Deployment, version: int, tensors: dict[str, torch.Tensor], tamper) -> None:
@@ -95,7 +105,9 @@ def pause_request(max_tokens: int = LONG, prompt: Sequence[int] = PI_PROMPT) -> 
     return GenerationRequest(f"pause-{next(_ids)}", tuple(prompt), max_tokens)
 
 
-def requests_in_flight(engine: Engine, n=2, tokens=2, max_tokens=LONG, prompt=PI_PROMPT) -> list[RequestStream]:
+def requests_in_flight(
+    engine: Engine, n=2, tokens=2, max_tokens=LONG, prompt=PI_PROMPT
+) -> list[RequestStream]:
     """n streaming requests that have each produced at least `tokens` tokens."""
     streams = [engine.submit(pause_request(max_tokens, prompt)) for _ in range(n)]
     for s in streams:
@@ -118,8 +130,10 @@ def kept_in_flight(engine: Engine, prompt=PI_PROMPT) -> tuple[list[RequestStream
         engine.resume()  # one finished before the pause: let the rest run out, and try longer ones
         for s in streams:
             s.result(timeout=120)
-    pytest.fail(f"3 attempts: a request of up to {max_tokens} tokens finished before pause(keep) landed "
-                f"each time (tokens at the pause: {frozen})")
+    pytest.fail(
+        f"3 attempts: a request of up to {max_tokens} tokens finished before pause(keep) landed "
+        f"each time (tokens at the pause: {frozen})"
+    )
 
 
 # ------------------------------------------------------------------------------------ computed output
@@ -128,15 +142,18 @@ def independent_forward(engine: Engine, checkpoint: Mapping[str, torch.Tensor]) 
     engine names no model; skipped, never passed, when transformers is missing)."""
     config = engine.model_config()
     if config is None:
-        pytest.skip(f"{NOT_SUPPORTED}: the engine names no model (model_config() is None) to compute independently")
+        pytest.skip(
+            f"{NOT_SUPPORTED}: the engine names no model (model_config() is None) to compute independently"
+        )
     try:
         return IndependentForward(config).load(checkpoint)
     except OracleUnavailable as exc:
         pytest.skip(str(exc))
 
 
-def assert_computes_like(fwd: IndependentForward, completion: Completion, prompt: Sequence[int], context: str,
-                         rerun: str = "") -> None:
+def assert_computes_like(
+    fwd: IndependentForward, completion: Completion, prompt: Sequence[int], context: str, rerun: str = ""
+) -> None:
     """Every greedy token the engine produced is the independent forward's first choice (near ties aside)."""
     found = score(fwd, prompt, completion.token_ids)
     assert not found, (

@@ -59,7 +59,9 @@ def test_wrong_dtype_is_refused(at_version_1):
 def test_wrong_shape_is_refused(at_version_1):
     weights = _model_weights(at_version_1, 3)
     name = next(iter(weights))
-    weights[name] = torch.zeros(weights[name].shape[0] + 1, *weights[name].shape[1:], dtype=weights[name].dtype)
+    weights[name] = torch.zeros(
+        weights[name].shape[0] + 1, *weights[name].shape[1:], dtype=weights[name].dtype
+    )
     _refused(at_version_1, ManifestMismatch, weights, 2, [name, "version 2"])
     _then_recovers(at_version_1, "wrong shape")
 
@@ -86,8 +88,11 @@ def test_corrupted_digest_is_refused(at_version_1):
     _then_recovers(at_version_1, "forged digest")
 
 
-@pytest.mark.parametrize("update_info", [{}, {"manifest": "garbage"}, {"manifest": {"version": "2"}}],
-                         ids=["no-manifest", "not-a-dict", "string-version"])
+@pytest.mark.parametrize(
+    "update_info",
+    [{}, {"manifest": "garbage"}, {"manifest": {"version": "2"}}],
+    ids=["no-manifest", "not-a-dict", "string-version"],
+)
 def test_malformed_update_info_is_refused(at_version_1, update_info):
     """Refused before the data plane is touched, so no transmit is needed."""
     before = snapshot(at_version_1)

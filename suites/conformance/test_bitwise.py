@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fixtures.payloads import spec_of, special_values, weight_sets
 from harness.api import ALL_DTYPES
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.requires("arbitrary_tensors")
 
 
 @given(data=st.data())
-def test_full_update_is_bitwise_for_any_dtype_and_shape(deployment, backend, capabilities, data, request, example_counter):
+def test_full_update_is_bitwise_for_any_dtype_and_shape(
+    deployment, backend, capabilities, data, request, example_counter
+):
     """Random bit patterns (NaN payloads, -0.0, inf), 0-d, empty, odd and non-contiguous tensors."""
     example_counter()
     weights = data.draw(weight_sets(dtypes=capabilities.dtypes), label="weights")
@@ -30,7 +33,9 @@ def test_special_values_survive(deployment, backend, capabilities, dtype, reques
         pytest.skip(f"NOT_SUPPORTED: backend {backend.name!r} (with this engine) does not claim {dtype}")
     weights = {"special.weight": special_values(dtype), "special.strided": special_values(dtype)[::2]}
     deployment.reset(spec_of(weights))
-    push_and_check(deployment, 7, weights, f"{backend.name} special values {dtype_name(dtype)}", rerun_hint(request))
+    push_and_check(
+        deployment, 7, weights, f"{backend.name} special values {dtype_name(dtype)}", rerun_hint(request)
+    )
 
 
 @given(sizes=st.lists(st.integers(0, 5000), min_size=2, max_size=12))

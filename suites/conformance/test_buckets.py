@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fixtures.payloads import bucket_crossing_sets, spec_of
 from harness.manifest import Manifest
@@ -24,18 +25,28 @@ def _flip_bits(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     out = {}
     for name, t in weights.items():
         raw = t.clone().view(-1).view(torch.uint8)
-        raw[int(torch.randint(0, raw.numel(), (1,), generator=gen))] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+        raw[int(torch.randint(0, raw.numel(), (1,), generator=gen))] ^= 1 << int(
+            torch.randint(0, 8, (1,), generator=gen)
+        )
         raw[-1] ^= 0x80  # the last byte: where a bucket cut short ends
         out[name] = raw.view(t.dtype).view(t.shape)
     return out
 
 
 @pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)
-@settings(max_examples=max(1, settings().max_examples // 5), suppress_health_check=[HealthCheck.large_base_example, HealthCheck.function_scoped_fixture,
-                                                  HealthCheck.too_slow, HealthCheck.data_too_large])  # 3+ buckets by design; a fifth of the profile's examples (each reloads engines)
+@settings(
+    max_examples=max(1, settings().max_examples // 5),
+    suppress_health_check=[
+        HealthCheck.large_base_example,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)  # 3+ buckets by design; a fifth of the profile's examples (each reloads engines)
 @given(data=st.data())
-def test_payload_spanning_many_buckets_arrives_bitwise(deployment_with_buckets, backend, capabilities, bucket_bytes,
-                                                      data, request, example_counter):
+def test_payload_spanning_many_buckets_arrives_bitwise(
+    deployment_with_buckets, backend, capabilities, bucket_bytes, data, request, example_counter
+):
     example_counter()
     weights = data.draw(bucket_crossing_sets(bucket_bytes, capabilities.dtypes), label="weights")
     plan = Manifest.build(1, weights, bucket_bytes)  # the reference plan: what the payload was drawn to do
@@ -45,5 +56,10 @@ def test_payload_spanning_many_buckets_arrives_bitwise(deployment_with_buckets, 
     dep.reset(spec_of(weights))
     context = f"{backend.name} with {bucket_bytes}-byte buckets ({len(plan.bucket_sizes)} buckets, {len(weights)} tensors)"
     push_and_check(dep, 1, weights, context, rerun_hint(request))
-    push_and_check(dep, 2, _flip_bits(weights, data.draw(st.integers(0, 2**31 - 1), label="flip seed")),
-                   f"{context}, second version", rerun_hint(request))
+    push_and_check(
+        dep,
+        2,
+        _flip_bits(weights, data.draw(st.integers(0, 2**31 - 1), label="flip seed")),
+        f"{context}, second version",
+        rerun_hint(request),
+    )

@@ -90,5 +90,10 @@ def test_new_requests_after_an_update_under_traffic_compute_with_the_new_weights
     fwd = independent_forward(engine, new)
     for i, prompt in enumerate(prompts):
         (c,) = engine.generate([GenerationRequest(f"after-{mode}-{i}", prompt, 12)])
-        assert_computes_like(fwd, c, prompt, f"new request after an update under pause({mode}) traffic "
-                             "(stale KV from version 0 served?)", rerun_hint(request))
+        assert_computes_like(
+            fwd,
+            c,
+            prompt,
+            f"new request after an update under pause({mode}) traffic (stale KV from version 0 served?)",
+            rerun_hint(request),
+        )

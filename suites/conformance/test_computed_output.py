@@ -48,12 +48,16 @@ def test_tied_head_computes_with_the_pushed_embedding(tied_deployment, request):
     v1 = random_like_spec(spec, seed=21)
     push(tied_deployment, 1, v1)
     for prompt, c in zip(PROMPTS, _generate(engine, "tied-v1")):
-        assert_computes_like(independent_forward(engine, v1), c, prompt, "tied model, version 1", rerun_hint(request))
+        assert_computes_like(
+            independent_forward(engine, v1), c, prompt, "tied model, version 1", rerun_hint(request)
+        )
     embed = {"model.embed_tokens.weight": random_like_spec(spec, seed=22)["model.embed_tokens.weight"]}
     push(tied_deployment, 2, embed)
     fwd = independent_forward(engine, {**v1, **embed})
     for prompt, c in zip(PROMPTS, _generate(engine, "tied-v2")):
-        assert_computes_like(fwd, c, prompt, "tied model, version 2 (only the embedding pushed)", rerun_hint(request))
+        assert_computes_like(
+            fwd, c, prompt, "tied model, version 2 (only the embedding pushed)", rerun_hint(request)
+        )
 
 
 @pytest.mark.requires("pause_modes")
@@ -93,8 +97,18 @@ def test_waited_and_queued_requests_compute_with_the_version_they_ran_on(deploym
     engine.resume()
     new = independent_forward(engine, new_weights)
     for s in streams:
-        assert_computes_like(old, s.result(timeout=60), s.request.prompt_token_ids,
-                             "finished under pause(wait), version 0", rerun_hint(request))
+        assert_computes_like(
+            old,
+            s.result(timeout=60),
+            s.request.prompt_token_ids,
+            "finished under pause(wait), version 0",
+            rerun_hint(request),
+        )
     for s in queued:
-        assert_computes_like(new, s.result(timeout=60), s.request.prompt_token_ids,
-                             "sent while paused, run on version 1", rerun_hint(request))
+        assert_computes_like(
+            new,
+            s.result(timeout=60),
+            s.request.prompt_token_ids,
+            "sent while paused, run on version 1",
+            rerun_hint(request),
+        )

@@ -40,10 +40,16 @@ def test_rollback_restores_the_committed_version_and_no_request_runs_meanwhile(d
     load.write(first)
     during = engine.submit(GenerationRequest("during-load", PROMPT, 8))
     # bounded wait for something that must not happen: a token computed from half-written weights
-    assert not during.wait_for_tokens(1, timeout=0.5), "a request produced a token while an in-place load was open"
+    assert not during.wait_for_tokens(1, timeout=0.5), (
+        "a request produced a token while an in-place load was open"
+    )
     load.rollback()
-    assert engine.weight_version == 0, f"after rollback the engine serves version {engine.weight_version}, not 0"
-    assert_bitwise_equal(before, engine.read_weights(), "after an in-place load rolled back", rerun_hint(request))
+    assert engine.weight_version == 0, (
+        f"after rollback the engine serves version {engine.weight_version}, not 0"
+    )
+    assert_bitwise_equal(
+        before, engine.read_weights(), "after an in-place load rolled back", rerun_hint(request)
+    )
     after = during.result(timeout=60)
     assert after.token_ids == served_before.token_ids and after.versions_seen == {0}, (
         f"request held over a rolled-back load: {after.token_ids} on {sorted(after.versions_seen)}, "
@@ -62,8 +68,13 @@ def test_commit_installs_the_version_and_invalidates_caches(deployment, request)
     assert engine.weight_version == 1, f"after commit the engine serves version {engine.weight_version}"
     assert_bitwise_equal(new, engine.read_weights(), "after an in-place load committed", rerun_hint(request))
     (c,) = engine.generate([GenerationRequest("after", PROMPT, 12)])
-    assert_computes_like(independent_forward(engine, new), c, PROMPT, "after an in-place commit (stale prefix cache?)",
-                         rerun_hint(request))
+    assert_computes_like(
+        independent_forward(engine, new),
+        c,
+        PROMPT,
+        "after an in-place commit (stale prefix cache?)",
+        rerun_hint(request),
+    )
 
 
 def test_bad_writes_are_refused_before_anything_of_them_lands(deployment, request):
@@ -81,4 +92,6 @@ def test_bad_writes_are_refused_before_anything_of_them_lands(deployment, reques
         load.write({name: good[name], sorted(spec)[1]: good[name].flatten()[:1].clone()})
     load.commit()  # a load of nothing but refused writes: version 1 holds version 0's weights
     assert engine.weight_version == 1, f"after commit the engine serves version {engine.weight_version}"
-    assert_bitwise_equal(before, engine.read_weights(), "refused in-place writes (nothing may land)", rerun_hint(request))
+    assert_bitwise_equal(
+        before, engine.read_weights(), "refused in-place writes (nothing may land)", rerun_hint(request)
+    )

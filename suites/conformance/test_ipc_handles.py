@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.requires("ipc"), pytest.mark.single_receiver]
 
 def _ipc_part(info):
     """The ipc transport's own update_info (nested under 'payload' when delta rides on it)."""
-    return info["payload"] if "payload" in info else info
+    return info.get("payload", info)
 
 
 def _open_fds() -> int:

@@ -12,7 +12,14 @@ import itertools
 import pytest
 import torch
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from fixtures.payloads import random_like_spec
 from harness.api import (
@@ -36,7 +43,9 @@ def _expect(exc_type, fn, *args):
     except exc_type:
         return
     except WeightSyncError as exc:
-        raise AssertionError(f"{fn.__name__}{args!r} raised {type(exc).__name__}: {exc}; expected {exc_type.__name__}")
+        raise AssertionError(
+            f"{fn.__name__}{args!r} raised {type(exc).__name__}: {exc}; expected {exc_type.__name__}"
+        ) from exc
     raise AssertionError(f"{fn.__name__}{args!r} succeeded; expected {exc_type.__name__}")
 
 
@@ -215,12 +224,16 @@ def make_machine(deployment, counter):
                 assert h.engine.weight_version == self.committed, (
                     f"engine {i} serves version {h.engine.weight_version}, model says {self.committed}"
                 )
-                assert h.engine.is_paused == self.paused, f"engine {i} is_paused={h.engine.is_paused}, model {self.paused}"
+                assert h.engine.is_paused == self.paused, (
+                    f"engine {i} is_paused={h.engine.is_paused}, model {self.paused}"
+                )
 
         @invariant()
         def holds_committed_weights(self):
             for i, h in enumerate(self.handles):
-                assert_bitwise_equal(self.weights, h.engine.read_weights(), f"engine {i} at version {self.committed}")
+                assert_bitwise_equal(
+                    self.weights, h.engine.read_weights(), f"engine {i} at version {self.committed}"
+                )
 
         def teardown(self):
             for h in getattr(self, "handles", []):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from fixtures.payloads import random_like_spec
 from harness.checks import assert_bitwise_equal
 from harness.deployment import push
@@ -15,7 +14,9 @@ def test_full_model_update_is_bitwise(deployment, backend, request):
     spec = deployment.handles[0].engine.weight_spec()
     for version in (1, 2, 5):
         weights = random_like_spec(spec, seed=version)
-        push_and_check(deployment, version, weights, f"{backend.name} model version {version}", rerun_hint(request))
+        push_and_check(
+            deployment, version, weights, f"{backend.name} model version {version}", rerun_hint(request)
+        )
 
 
 def test_consecutive_trainer_versions_each_land(deployment, backend, request):
@@ -24,7 +25,9 @@ def test_consecutive_trainer_versions_each_land(deployment, backend, request):
     for _ in range(6):
         version, weights = trainer.step()
         push(deployment, version, weights)
-        assert_engines_hold(deployment, version, weights, f"{backend.name} step {version}", rerun_hint(request))
+        assert_engines_hold(
+            deployment, version, weights, f"{backend.name} step {version}", rerun_hint(request)
+        )
 
 
 def test_partial_update_keeps_the_rest(deployment, backend, request):
@@ -37,5 +40,9 @@ def test_partial_update_keeps_the_rest(deployment, backend, request):
     push(deployment, 1, new)
     expected = {**before, **new}
     for i, h in enumerate(deployment.handles):
-        assert_bitwise_equal(expected, h.engine.read_weights(), f"{backend.name} partial update, engine {i}",
-                             rerun_hint(request))
+        assert_bitwise_equal(
+            expected,
+            h.engine.read_weights(),
+            f"{backend.name} partial update, engine {i}",
+            rerun_hint(request),
+        )

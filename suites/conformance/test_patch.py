@@ -7,19 +7,28 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fixtures.payloads import spec_of, tensor_from_bits, weight_sets
 from harness.api import BaseMismatch, TensorSpec, VersionError
 from harness.deployment import push
 from harness.trainer import ReferenceTrainer
-from suites.conformance.helpers import assert_engines_hold, assert_unchanged, deliver_tampered, rerun_hint, snapshot
+from suites.conformance.helpers import (
+    assert_engines_hold,
+    assert_unchanged,
+    deliver_tampered,
+    rerun_hint,
+    snapshot,
+)
 
 pytestmark = pytest.mark.requires("delta", "arbitrary_tensors")  # a bf16 policy beside the model
 
 # A bf16 policy riding beside the engine's model: the regime delta is for (most entries unchanged).
-POLICY_SPEC = {f"policy.{i}.weight": TensorSpec(shape, torch.bfloat16)
-               for i, shape in enumerate([(256, 64), (64, 64), (129, 31), (1000,)])}
+POLICY_SPEC = {
+    f"policy.{i}.weight": TensorSpec(shape, torch.bfloat16)
+    for i, shape in enumerate([(256, 64), (64, 64), (129, 31), (1000,)])
+}
 
 
 def _policy_trainer(deployment, seed):
@@ -34,22 +43,30 @@ def _mutate(t: torch.Tensor, fraction: float, data) -> torch.Tensor:
     k = round(fraction * n)
     if not k:
         return out
-    idx = torch.tensor(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k, unique=True), label="idx"))
+    idx = torch.tensor(
+        data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k, unique=True), label="idx")
+    )
     width = out.element_size()
-    bits = tensor_from_bits(data.draw(st.binary(min_size=k * width, max_size=k * width), label="bits"), (k,), out.dtype)
+    bits = tensor_from_bits(
+        data.draw(st.binary(min_size=k * width, max_size=k * width), label="bits"), (k,), out.dtype
+    )
     out.reshape(-1)[idx] = bits
     return out
 
 
 @given(data=st.data(), fraction=st.sampled_from([0.0, 0.01, 0.1, 0.5, 0.9, 1.0]) | st.floats(0, 1))
-def test_patch_on_base_reproduces_the_next_version(deployment, backend, capabilities, data, fraction, request, example_counter):
+def test_patch_on_base_reproduces_the_next_version(
+    deployment, backend, capabilities, data, fraction, request, example_counter
+):
     example_counter()
     base = data.draw(weight_sets(dtypes=capabilities.dtypes), label="base")
     nxt = {n: _mutate(t, fraction, data) for n, t in base.items()}
     deployment.reset(spec_of(base))
     push(deployment, 1, base)
     push(deployment, 2, nxt)
-    assert_engines_hold(deployment, 2, nxt, f"{backend.name}: base + patch at {fraction:.0%} changed", rerun_hint(request))
+    assert_engines_hold(
+        deployment, 2, nxt, f"{backend.name}: base + patch at {fraction:.0%} changed", rerun_hint(request)
+    )
 
 
 def test_patch_against_the_wrong_base_version_is_refused(deployment, backend):
@@ -126,7 +143,9 @@ def test_fifty_trainer_steps_by_delta_equal_full_syncs(deployment, backend, requ
     for _ in range(52):
         version, weights = trainer.step()
         push(deployment, version, weights)
-        assert_engines_hold(deployment, version, weights, f"{backend.name} trainer step {version}", rerun_hint(request))
+        assert_engines_hold(
+            deployment, version, weights, f"{backend.name} trainer step {version}", rerun_hint(request)
+        )
     history = deployment.sender.history[-51:]
     sparse = sum(s.sparse_tensors for s in history)
     assert sparse == len(POLICY_SPEC) * len(history), (
@@ -172,7 +191,9 @@ def _special_change(base: torch.Tensor, kind: str) -> torch.Tensor:
 @pytest.mark.single_receiver  # what a patch carries does not depend on how many receive it
 @pytest.mark.parametrize("kind", ["signed-zero", "nan-payload", "subnormal"])
 @pytest.mark.parametrize("dtype_name", list(SPECIAL_DTYPES))
-def test_a_patch_carries_special_values_bit_for_bit(deployment, backend, capabilities, kind, dtype_name, request):
+def test_a_patch_carries_special_values_bit_for_bit(
+    deployment, backend, capabilities, kind, dtype_name, request
+):
     dtype = SPECIAL_DTYPES[dtype_name]
     if dtype not in capabilities.dtypes:
         pytest.skip(f"NOT_SUPPORTED: {backend.name} does not claim {dtype}")
@@ -184,8 +205,14 @@ def test_a_patch_carries_special_values_bit_for_bit(deployment, backend, capabil
     history = getattr(deployment.sender, "history", None)
     if history:  # the built-in delta says how it moved the version: it must have been a patch
         assert history[-1].sparse_tensors >= 1, f"{backend.name}: v1 -> v2 went dense: {history[-1]}"
-    assert_engines_hold(deployment, 2, nxt, f"{backend.name}: a patch changing only {kind} ({dtype_name})",
-                        rerun_hint(request))
+    assert_engines_hold(
+        deployment,
+        2,
+        nxt,
+        f"{backend.name}: a patch changing only {kind} ({dtype_name})",
+        rerun_hint(request),
+    )
     push(deployment, 3, base)  # and back again
-    assert_engines_hold(deployment, 3, base, f"{backend.name}: the patch undoing {kind} ({dtype_name})",
-                        rerun_hint(request))
+    assert_engines_hold(
+        deployment, 3, base, f"{backend.name}: the patch undoing {kind} ({dtype_name})", rerun_hint(request)
+    )

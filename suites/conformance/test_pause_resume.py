@@ -24,6 +24,7 @@ from suites.conformance.helpers import (
 
 pytestmark = [pytest.mark.single_receiver, pytest.mark.requires("pause_modes")]
 
+
 def _new_version(deployment, version):
     push(deployment, version, random_like_spec(deployment.handles[0].engine.weight_spec(), seed=version))
 
@@ -39,8 +40,12 @@ def test_abort_ends_in_flight_with_partial_output(deployment, backend):
     assert engine.is_paused
     results = [s.result(timeout=30) for s in streams]
     for c in results:
-        assert c.finish_reason == "abort", f"{c.request_id}: finish_reason {c.finish_reason!r}, expected 'abort'"
-        assert 2 <= len(c.token_ids) < ABORTED_LEN, f"{c.request_id}: {len(c.token_ids)} tokens; expected partial output"
+        assert c.finish_reason == "abort", (
+            f"{c.request_id}: finish_reason {c.finish_reason!r}, expected 'abort'"
+        )
+        assert 2 <= len(c.token_ids) < ABORTED_LEN, (
+            f"{c.request_id}: {len(c.token_ids)} tokens; expected partial output"
+        )
         assert _versions(c) == [0], f"{c.request_id}: aborted request saw versions {_versions(c)}"
     queued = engine.submit(pause_request(8))  # arrives while paused: must wait for resume
     _new_version(deployment, 1)
@@ -121,7 +126,9 @@ def test_abort_by_id_ends_only_that_request(deployment):
     assert c.finish_reason == "abort" and 2 <= len(c.token_ids) < ABORTED_LEN, (
         f"aborted request: {c.finish_reason!r} after {len(c.token_ids)} tokens"
     )
-    assert not bystander.done or bystander.result().finish_reason == "length", "the other request was aborted too"
+    assert not bystander.done or bystander.result().finish_reason == "length", (
+        "the other request was aborted too"
+    )
     engine.pause("abort")  # end the bystander; nothing else may be left running
     engine.resume()
     assert bystander.result(timeout=30).finish_reason in ("abort", "length")
@@ -153,10 +160,14 @@ def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
         for s in streams:
             s.wait_for_tokens(max_tokens, timeout=max(0.0, deadline - time.monotonic()))
         left = [s.request.request_id for s in streams if not s.done]
-        assert not left, f"{context}: {len(left)} request(s) still open 10 s after pause(abort) returned: {left}"
+        assert not left, (
+            f"{context}: {len(left)} request(s) still open 10 s after pause(abort) returned: {left}"
+        )
     if mode == "wait":
         unfinished = [s.request.request_id for s in streams if not s.done]
-        assert not unfinished, f"pause(wait) returned with {len(unfinished)} of {len(streams)} requests unfinished"
+        assert not unfinished, (
+            f"pause(wait) returned with {len(unfinished)} of {len(streams)} requests unfinished"
+        )
     _new_version(deployment, 1)
     engine.resume()
     results = [s.result(timeout=120) for s in streams]
@@ -164,10 +175,12 @@ def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
     if mode == "abort":
         assert all(c.finish_reason == "abort" for c in results), f"{context}: (finish, tokens) {outcome}"
         assert all(len(c.token_ids) < max_tokens and _versions(c) in ([], [0]) for c in results), (
-            f"{context}: a request ran on after pause(abort): {outcome}")
+            f"{context}: a request ran on after pause(abort): {outcome}"
+        )
         return
     assert all(c.finish_reason == "length" and len(c.token_ids) == max_tokens for c in results), (
-        f"{context}: every request must run to its end, (finish, tokens): {outcome}")
+        f"{context}: every request must run to its end, (finish, tokens): {outcome}"
+    )
     for c, at_pause in zip(results, frozen):
         if mode == "wait":
             assert _versions(c) == [0], f"{context}: {c.request_id} spans versions {_versions(c)}"
@@ -175,4 +188,5 @@ def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
             n_old = c.token_versions.count(0)
             assert c.token_versions == [0] * n_old + [1] * (max_tokens - n_old) and n_old == at_pause, (
                 f"{context}: {c.request_id} had {at_pause} tokens at the pause, token versions "
-                f"{c.token_versions[:at_pause + 3]}...: not old-until-the-pause then new")
+                f"{c.token_versions[: at_pause + 3]}...: not old-until-the-pause then new"
+            )

@@ -30,7 +30,9 @@ def _deploy(backend, n, tmp_path, engine=None):
     dep = with_timeout(backend, TIMEOUT_S).deploy(n, None, str(tmp_path), engine=engine)
     if not dep.processes():
         dep.close()
-        pytest.skip(f"NOT_SUPPORTED: backend {backend.name!r} exposes no rank processes (Deployment.processes())")
+        pytest.skip(
+            f"NOT_SUPPORTED: backend {backend.name!r} exposes no rank processes (Deployment.processes())"
+        )
     return dep
 
 
@@ -44,11 +46,15 @@ def test_rank_killed_between_syncs_is_restarted_by_the_next_push(backend, n_rece
         now = dep.processes()[-1]
         assert now.pid != victim.pid, f"{victim.name} (pid {victim.pid}) was killed but not replaced"
         for i, h in enumerate(dep.handles):
-            assert h.engine.weight_version == 2, f"engine {i} serves {h.engine.weight_version} after the push of 2"
+            assert h.engine.weight_version == 2, (
+                f"engine {i} serves {h.engine.weight_version} after the push of 2"
+            )
 
 
 def test_hung_rank_is_killed_with_its_stacks_dumped(backend, n_receivers, tmp_path):
-    with _deploy(backend, n_receivers, tmp_path, engine="suites.conformance.stalling:make_stalling_engine") as dep:
+    with _deploy(
+        backend, n_receivers, tmp_path, engine="suites.conformance.stalling:make_stalling_engine"
+    ) as dep:
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:
             push(dep, 1, _weights(dep, 1))  # finish hangs in commit_weights on every rank
@@ -58,4 +64,6 @@ def test_hung_rank_is_killed_with_its_stacks_dumped(backend, n_receivers, tmp_pa
         first = dep.processes()[0]
         assert "no reply to finish_weight_update" in message and first.name in message, message
         log = Path(first.log_path).read_text()
-        assert "commit_weights" in log and "Thread" in log, f"no stack dump in {first.log_path}:\n{log[-2000:]}"
+        assert "commit_weights" in log and "Thread" in log, (
+            f"no stack dump in {first.log_path}:\n{log[-2000:]}"
+        )

@@ -12,8 +12,19 @@ pytestmark = pytest.mark.multiproc
 
 @pytest.mark.parametrize("receivers", [2, 3])
 def test_broadcast_under_torchrun_delivers_every_version(receivers, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={receivers + 1}",
-           "-m", "harness.torchrun_sync", "--steps", "3", "--timeout-s", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={receivers + 1}",
+        "-m",
+        "harness.torchrun_sync",
+        "--steps",
+        "3",
+        "--timeout-s",
+        "60",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out[-3000:]}\nrerun: {' '.join(cmd)}"

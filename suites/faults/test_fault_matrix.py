@@ -44,8 +44,14 @@ def _thorough() -> bool:
 #: The control column in the default selection: the faults of the control plane itself. Its data plane
 #: is the disk path's, whose column runs the data-plane faults; `--weightsync-backend=control` (and
 #: `weightsync certify`) runs every kind against it.
-CONTROL_PLANE_KINDS = ("receiver-kill", "receiver-stall", "commit-fail", "http-request-cut", "http-answer-lost",
-                       "trainer-raise")
+CONTROL_PLANE_KINDS = (
+    "receiver-kill",
+    "receiver-stall",
+    "commit-fail",
+    "http-request-cut",
+    "http-answer-lost",
+    "trainer-raise",
+)
 
 
 def _backends(config) -> list[str]:
@@ -57,7 +63,9 @@ def _backends(config) -> list[str]:
 
 
 def _kinds(config, backend: str) -> list[str]:
-    implicit = config.getoption("--weightsync-backend") == ",".join(BUILTIN_BACKENDS) and backend in EXTRA_BACKENDS
+    implicit = (
+        config.getoption("--weightsync-backend") == ",".join(BUILTIN_BACKENDS) and backend in EXTRA_BACKENDS
+    )
     return [k for k in [*FAULTS, TRAINER_KILL] if not implicit or k in CONTROL_PLANE_KINDS]
 
 
@@ -89,8 +97,12 @@ def test_fault_cell_drawn(drawn_cell, selection, tmp_path, request):
         pytest.skip("seeds drawn by hypothesis run under --hypothesis-profile=thorough")
     backend_name, kind = drawn_cell
 
-    @settings(max_examples=config_draws(request.config), deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @settings(
+        max_examples=config_draws(request.config),
+        deadline=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
     @given(seed=st.integers(0, 2**31 - 1))
     def cell(seed):
         _run_and_judge(backend_name, kind, seed, selection, Path(tempfile.mkdtemp(dir=tmp_path)), request)
@@ -108,13 +120,25 @@ def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request):
     if kind == TRAINER_KILL:  # the trainer itself dies: it runs in a child process
         result = run_trainer_kill_cell(backend_name, seed, tmp_path, selection.engine, timeout_s)
     else:
-        result = run_cell(backend, backend_name, kind, seed, tmp_path, engine=selection.engine, timeout_s=timeout_s,
-                          caps=backend.capabilities.restricted_by(selection.engine_caps))
+        result = run_cell(
+            backend,
+            backend_name,
+            kind,
+            seed,
+            tmp_path,
+            engine=selection.engine,
+            timeout_s=timeout_s,
+            caps=backend.capabilities.restricted_by(selection.engine_caps),
+        )
     outcome = request.config._weightsync_outcomes.setdefault(request.node.nodeid, {})
-    if outcome.get("fault_cell", {}).get("verdict", "ok") == "ok":  # of several draws the report keeps the worst
+    if (
+        outcome.get("fault_cell", {}).get("verdict", "ok") == "ok"
+    ):  # of several draws the report keeps the worst
         outcome["fault_cell"] = result.to_json()
-    rerun = (f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}' "
-             f"--weightsync-backend={backend_name} --weightsync-fault-seed={seed}")
+    rerun = (
+        f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}' "
+        f"--weightsync-backend={backend_name} --weightsync-fault-seed={seed}"
+    )
     if result.verdict == "not_applicable":  # the same for every seed: hypothesis stops here too
         pytest.skip(f"{NOT_SUPPORTED}: {kind} on {backend_name}: {result.reasons[0]}")
     if result.verdict == "unknown":

@@ -43,7 +43,8 @@ from harness.paths.broadcast import BroadcastBackend
 pytestmark = [
     pytest.mark.docker,
     pytest.mark.skipif(
-        os.environ.get("WEIGHTSYNC_DOCKER") != "1", reason="docker tier only: WEIGHTSYNC_DOCKER=1 (.ci/docker-tier.sh)"
+        os.environ.get("WEIGHTSYNC_DOCKER") != "1",
+        reason="docker tier only: WEIGHTSYNC_DOCKER=1 (.ci/docker-tier.sh)",
     ),
 ]
 
@@ -176,7 +177,9 @@ def pair(docker_host):
     b = docker_host.run("b", ["python", "-u", "-c", SERVER])
     deadline = time.monotonic() + 30
     while not all("serving" in docker_host.logs(c) for c in (a, b)):
-        assert time.monotonic() < deadline, f"servers did not start: {docker_host.logs(a)} {docker_host.logs(b)}"
+        assert time.monotonic() < deadline, (
+            f"servers did not start: {docker_host.logs(a)} {docker_host.logs(b)}"
+        )
         time.sleep(0.2)
     return a, b, docker_host.ip_of(a), docker_host.ip_of(b)
 
@@ -230,7 +233,9 @@ def test_nemesis_partition(docker_host, pair):
         assert _ask(ip_a, b"ping") == "pong" and _ask(ip_b, b"ping") == "pong", "the host lost a or b"
     finally:
         fault.heal()  # raises if the rules after heal differ from before
-    assert tcp_ok(docker_host, a, ip_b) == 10 and tcp_ok(docker_host, b, ip_a) == 10, "heal() did not restore a<->b"
+    assert tcp_ok(docker_host, a, ip_b) == 10 and tcp_ok(docker_host, b, ip_a) == 10, (
+        "heal() did not restore a<->b"
+    )
 
 
 def test_nemesis_partition_keeps_the_host_reachable(docker_host, pair, host_echo):
@@ -323,7 +328,9 @@ def _make_fault(kind, host, victim, other):
     gw = host.gateway_ip()
     if kind == "disconnect":
         return Disconnect(host, victim)
-    if kind == "partition":  # the victim cannot reach the trainer (both ways); it still reaches the other rank
+    if (
+        kind == "partition"
+    ):  # the victim cannot reach the trainer (both ways); it still reaches the other rank
         return Partition(host, victim, gw)
     if kind == "one_way":  # the victim hears nothing from the trainer; what it sends still arrives
         return OneWayPartition(host, victim, gw)
@@ -369,8 +376,14 @@ def test_broadcast_fault_cell(kind, docker_host, tmp_path, monkeypatch):
             return transmit()
 
         dep.sender.transmit = armed_transmit
-        obs = CellObservation(fault=NetworkFault(kind), timeout_s=TIMEOUT_S, versions=sent, version=2,
-                              recovery_version=3, victim_name=dep.processes()[1].name)
+        obs = CellObservation(
+            fault=NetworkFault(kind),
+            timeout_s=TIMEOUT_S,
+            versions=sent,
+            version=2,
+            recovery_version=3,
+            victim_name=dep.processes()[1].name,
+        )
         t0 = time.monotonic()
         try:
             push(dep, 2, payload)

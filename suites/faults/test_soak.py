@@ -24,16 +24,26 @@ def test_soak_with_a_fault_every_20_syncs(backend_name, selection, tmp_path, req
     if backend_name not in selection.backends:
         pytest.skip(f"{backend_name} is not selected (--weightsync-backend)")
     syncs = int(os.environ.get("WEIGHTSYNC_SOAK_SYNCS", "1000"))
-    report = run_soak(selection.backends[backend_name], backend_name, tmp_path, syncs=syncs, fault_every=20,
-                      engine=selection.engine, caps=selection.capabilities(backend_name))
+    report = run_soak(
+        selection.backends[backend_name],
+        backend_name,
+        tmp_path,
+        syncs=syncs,
+        fault_every=20,
+        engine=selection.engine,
+        caps=selection.capabilities(backend_name),
+    )
     out = Path(request.config.getoption("--weightsync-soak-out") or tmp_path) / f"soak-{backend_name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"\nsoak {backend_name}: {report['summary']} -> {out}")
     bad = [c for c in report["cells"] if c["verdict"] != "ok"]
     assert not bad, f"soak {backend_name}: {len(bad)} fault(s) not ok: " + "; ".join(
-        f"sync {c['sync']} {c['fault']}: {c['verdict']} {c['reasons']}" for c in bad[:5])
+        f"sync {c['sync']} {c['fault']}: {c['verdict']} {c['reasons']}" for c in bad[:5]
+    )
     assert not report["leaks"], f"soak {backend_name}: leaked {report['leaks']}"
     # after every fault path ran once the allocators are warm: from there on nothing may grow with syncs
     assert report["steady_rss_growth_mib"] < 64, f"soak {backend_name}: {report['summary']}"
-    assert report["steady_fds_growth"] <= 4 and report["steady_threads_growth"] <= 4, f"soak {backend_name}: {report['summary']}"
+    assert report["steady_fds_growth"] <= 4 and report["steady_threads_growth"] <= 4, (
+        f"soak {backend_name}: {report['summary']}"
+    )

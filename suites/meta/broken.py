@@ -10,9 +10,9 @@ import torch
 from harness.engines import tiny_lm
 from harness.engines.reference import ReferenceEngine
 from harness.engines.tiny_lm import ModelConfig
-from harness.paths.control import ControlBackend, ControlDeployment
 from harness.paths import delta_codec
 from harness.paths.broadcast import BroadcastBackend, BroadcastSender
+from harness.paths.control import ControlBackend, ControlDeployment
 from harness.paths.delta import DeltaBackend, DeltaSender
 from harness.paths.disk import DiskBackend, DiskSender
 from harness.paths.ipc import TOKEN_BYTES, IpcBackend, IpcSender
@@ -22,8 +22,10 @@ class SignLosingSender(DiskSender):
     """Adds +0.0 to float tensors before writing: -0.0 becomes 0.0 (and the manifest agrees)."""
 
     def prepare(self, version, named_tensors):
-        damaged = {n: (t + 0.0 if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t)
-                   for n, t in named_tensors.items()}
+        damaged = {
+            n: (t + 0.0 if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else t)
+            for n, t in named_tensors.items()
+        }
         return super().prepare(version, damaged)
 
 
@@ -71,7 +73,9 @@ class StaleTiedHeadEngine(ReferenceEngine):
 
     def __init__(self, extra=None):
         super().__init__(ModelConfig(tie_word_embeddings=True), extra=extra)
-        self._live["lm_head.weight"] = self._live["model.embed_tokens.weight"].clone()  # carried by every commit
+        self._live["lm_head.weight"] = self._live[
+            "model.embed_tokens.weight"
+        ].clone()  # carried by every commit
 
     def read_weights(self):
         weights = super().read_weights()
@@ -272,7 +276,9 @@ class _ValueDiffDeltaSender(DeltaSender):
 
     def prepare(self, version, named_tensors):
         real = delta_codec.changed_indices
-        delta_codec.changed_indices = lambda old, new: (old != new).nonzero().reshape(-1)  # the defect under test
+        delta_codec.changed_indices = lambda old, new: (
+            (old != new).nonzero().reshape(-1)
+        )  # the defect under test
         try:
             return super().prepare(version, named_tensors)
         finally:
@@ -325,7 +331,9 @@ class _TailLosingIpcSender(IpcSender):
         info = super().prepare(version, named_tensors)
         for shm, ref in zip(self._segments, info["buffers"], strict=False):
             if ref["size"] > self.bucket_bytes:
-                shm.buf[TOKEN_BYTES + self.bucket_bytes : TOKEN_BYTES + ref["size"]] = bytes(ref["size"] - self.bucket_bytes)
+                shm.buf[TOKEN_BYTES + self.bucket_bytes : TOKEN_BYTES + ref["size"]] = bytes(
+                    ref["size"] - self.bucket_bytes
+                )
         return info
 
 

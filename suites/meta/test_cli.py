@@ -19,10 +19,17 @@ import pytest
 )
 def test_certify_refuses_an_unknown_name_at_once_and_writes_nothing(tmp_path, args, message):
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", "certify", "--out", str(tmp_path), *args],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "certify", "--out", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     took = time.monotonic() - t0
     assert proc.returncode == 2, f"exit {proc.returncode}, expected 2 (usage):\n{proc.stderr[-1500:]}"
-    assert message in proc.stderr, f"the error does not name the bad input ({message!r}):\n{proc.stderr[-1500:]}"
+    assert message in proc.stderr, (
+        f"the error does not name the bad input ({message!r}):\n{proc.stderr[-1500:]}"
+    )
     assert not any(tmp_path.iterdir()), f"a usage error left {sorted(p.name for p in tmp_path.iterdir())}"
     assert took < 60, f"a usage error took {took:.0f} s (nothing should have run)"

@@ -40,7 +40,9 @@ def test_any_single_flipped_bit_changes_the_digest(raw, where, bit):
 @given(dtype=st.sampled_from(DTYPES), n=st.integers(2, 1500), data=st.data())
 def test_any_swapped_pair_of_elements_changes_the_digest(dtype, n, data):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**32 - 1), label="seed"))
-    t = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=gen)
+    t = torch.randint(
+        0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), dtype=torch.uint8, generator=gen
+    )
     typed = t.view(dtype)
     i = data.draw(st.integers(0, n - 1), label="i")
     j = data.draw(st.integers(0, n - 1).filter(lambda j: j != i), label="j")
@@ -49,7 +51,9 @@ def test_any_swapped_pair_of_elements_changes_the_digest(dtype, n, data):
         return  # equal elements: the swap changes nothing
     swapped = typed.clone()
     swapped[i], swapped[j] = typed[j].clone(), typed[i].clone()
-    assert _digest(as_bytes(typed)) != _digest(as_bytes(swapped)), f"{dtype} elements {i} and {j} of {n} swapped"
+    assert _digest(as_bytes(typed)) != _digest(as_bytes(swapped)), (
+        f"{dtype} elements {i} and {j} of {n} swapped"
+    )
 
 
 @settings(max_examples=60)
@@ -58,14 +62,23 @@ def test_a_tensor_delivered_from_the_wrong_place_in_the_bucket_plan_is_refused(s
     gen = torch.Generator().manual_seed(len(sizes))
     shape = (data.draw(st.integers(1, 64), label="elements"),)
     tensors = {f"t{k}": torch.randn(shape, generator=gen).to(torch.bfloat16) for k in range(len(sizes))}
-    manifest = Manifest.build(1, tensors, bucket_bytes=data.draw(st.integers(64, 512), label="bucket_bytes"),
-                              digest_algorithm="ws64x2")
+    manifest = Manifest.build(
+        1,
+        tensors,
+        bucket_bytes=data.draw(st.integers(64, 512), label="bucket_bytes"),
+        digest_algorithm="ws64x2",
+    )
     buckets = [manifest.pack_bucket(b, tensors) for b in range(len(manifest.bucket_sizes))]
     victim, source = data.draw(st.permutations(manifest.entries), label="pair")[:2]
-    received = {e.name: from_bytes(buckets[e.bucket][e.offset : e.offset + e.nbytes], e.shape, e.torch_dtype)
-                for e in manifest.entries}
-    received[victim.name] = from_bytes(buckets[source.bucket][source.offset : source.offset + source.nbytes],
-                                       victim.shape, victim.torch_dtype)  # bytes of another tensor, another place
+    received = {
+        e.name: from_bytes(buckets[e.bucket][e.offset : e.offset + e.nbytes], e.shape, e.torch_dtype)
+        for e in manifest.entries
+    }
+    received[victim.name] = from_bytes(
+        buckets[source.bucket][source.offset : source.offset + source.nbytes],
+        victim.shape,
+        victim.torch_dtype,
+    )  # bytes of another tensor, another place
     if torch.equal(as_bytes(tensors[victim.name]), as_bytes(tensors[source.name])):
         return
     with pytest.raises(ManifestMismatch, match=victim.name):
@@ -108,7 +121,9 @@ def test_the_kernel_gives_the_references_bits():
 def test_one_launch_for_many_tensors_gives_each_tensors_digest():
     assert "one launch for many tensors" in dd.kernel_status(), dd.kernel_status()
     gen = torch.Generator().manual_seed(2)
-    raws = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (7, 4096, 1 << 21, 3, 99_999)]
+    raws = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (7, 4096, 1 << 21, 3, 99_999)
+    ]
     assert dd.device_digests([r.cuda() for r in raws]) == [dd.reference_digest(r) for r in raws]
 
 
@@ -116,7 +131,9 @@ def test_one_launch_for_many_tensors_gives_each_tensors_digest():
 def test_copy_and_digest_copies_every_byte_and_gives_the_references_bits():
     assert dd.copy_kernel_available(), dd._status
     gen = torch.Generator().manual_seed(3)
-    raws = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (7, 4096, 1 << 21, 3, 99_999)]
+    raws = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (7, 4096, 1 << 21, 3, 99_999)
+    ]
     copies, sums = dd.copy_and_digest([r.cuda() for r in raws])
     assert sums == [dd.reference_digest(r) for r in raws]
     assert all(torch.equal(c.cpu(), r) for c, r in zip(copies, raws))
@@ -125,7 +142,9 @@ def test_copy_and_digest_copies_every_byte_and_gives_the_references_bits():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
 def test_a_flipped_bit_in_a_gpu_bucket_is_caught_while_unpacking():
     gen = torch.Generator(device="cuda").manual_seed(4)
-    tensors = {f"t{k}": torch.randn(1000 + k, generator=gen, device="cuda").to(torch.bfloat16) for k in range(5)}
+    tensors = {
+        f"t{k}": torch.randn(1000 + k, generator=gen, device="cuda").to(torch.bfloat16) for k in range(5)
+    }
     manifest = Manifest.build(1, tensors, bucket_bytes=4096)
     assert all(dd.is_device_digest(e.digest) for e in manifest.entries)
     bucket = manifest.pack_bucket(1, tensors, device="cuda")
@@ -140,7 +159,9 @@ def test_a_flipped_bit_in_a_gpu_bucket_is_caught_while_unpacking():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
 def test_a_whole_bucket_is_copied_and_each_tensor_digested_in_one_pass():
     gen = torch.Generator(device="cuda").manual_seed(6)
-    tensors = {f"t{k}": torch.randn(2000 + 2 * k, generator=gen, device="cuda").to(torch.bfloat16) for k in range(6)}
+    tensors = {
+        f"t{k}": torch.randn(2000 + 2 * k, generator=gen, device="cuda").to(torch.bfloat16) for k in range(6)
+    }
     manifest = Manifest.build(1, tensors, bucket_bytes=1 << 20)
     bucket = manifest.pack_bucket(0, tensors, device="cuda")
     whole = dd.copy_and_digest_bucket(bucket, [(e.offset, e.nbytes) for e in manifest.entries])

@@ -10,8 +10,14 @@ pytestmark = pytest.mark.meta  # the suites run against broken implementations: 
 
 def _run(pytester, backend: str, kind: str, *args):
     return pytester.runpytest_subprocess(
-        "--pyargs", "suites.faults", "-p", "no:cacheprovider", f"--weightsync-backend=suites.meta.broken:{backend}",
-        "-k", kind, *args,
+        "--pyargs",
+        "suites.faults",
+        "-p",
+        "no:cacheprovider",
+        f"--weightsync-backend=suites.meta.broken:{backend}",
+        "-k",
+        kind,
+        *args,
     )
 
 
@@ -35,14 +41,21 @@ def test_fault_suite_fails_a_timeout_that_is_not_honoured(pytester):
 
 
 def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(pytester):
-    result = _run(pytester, "make_no_retry_control_backend", "fault_cell and (http-request-cut or http-answer-lost)")
+    result = _run(
+        pytester, "make_no_retry_control_backend", "fault_cell and (http-request-cut or http-answer-lost)"
+    )
     assert result.parseoutcomes().get("failed", 0) == 2, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*a fault the client must ride out*"])
 
 
 @pytest.mark.slow  # the thorough tier's own check: the default tier runs one seed per cell
 def test_thorough_profile_draws_seeds_and_prints_the_failing_one(pytester):
-    result = _run(pytester, "make_no_retry_control_backend", "drawn and http-answer-lost",
-                  "--hypothesis-profile=thorough", "--weightsync-fault-seeds=2")
+    result = _run(
+        pytester,
+        "make_no_retry_control_backend",
+        "drawn and http-answer-lost",
+        "--hypothesis-profile=thorough",
+        "--weightsync-fault-seeds=2",
+    )
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*Falsifying example*", "*seed=*"])

@@ -16,21 +16,46 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.meta]
 
 def _run(pytester, backend, *args):
     return pytester.runpytest_subprocess(
-        "--pyargs", "suites.performance.test_sync_throughput", "-p", "no:cacheprovider", "-k", "against",
-        f"--weightsync-backend={backend}", "--weightsync-bench-mib=64", f"--weightsync-floor=broadcast={FLOOR}", *args)
+        "--pyargs",
+        "suites.performance.test_sync_throughput",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "against",
+        f"--weightsync-backend={backend}",
+        "--weightsync-bench-mib=64",
+        f"--weightsync-floor=broadcast={FLOOR}",
+        *args,
+    )
 
 
 def test_a_slower_build_of_a_path_fails_the_ratio_gate_and_the_benchmark_compare(pytester, tmp_path):
     storage = f"file://{tmp_path / 'benchmarks'}"
-    healthy = _run(pytester, "broadcast", f"--benchmark-storage={storage}", "--benchmark-save=healthy",
-                   f"--benchmark-json={tmp_path / 'healthy.json'}")
+    healthy = _run(
+        pytester,
+        "broadcast",
+        f"--benchmark-storage={storage}",
+        "--benchmark-save=healthy",
+        f"--benchmark-json={tmp_path / 'healthy.json'}",
+    )
     healthy.assert_outcomes(passed=1)
-    slow = _run(pytester, SLOW, f"--benchmark-storage={storage}", "--benchmark-compare",
-                "--benchmark-compare-fail=median:50%", f"--benchmark-json={tmp_path / 'slow.json'}")
+    slow = _run(
+        pytester,
+        SLOW,
+        f"--benchmark-storage={storage}",
+        "--benchmark-compare",
+        "--benchmark-compare-fail=median:50%",
+        f"--benchmark-json={tmp_path / 'slow.json'}",
+    )
     out = slow.stdout.str() + slow.stderr.str()
     assert slow.ret != 0, out[-3000:]
     assert "below the floor in 2 of 2 attempts: attempt 1: broadcast 1 rx 64 MiB" in out, out[-3000:]
     assert "Performance has regressed" in out, out[-3000:]
-    before, after = (json.loads((tmp_path / f"{n}.json").read_text())["benchmarks"][0] for n in ("healthy", "slow"))
+    before, after = (
+        json.loads((tmp_path / f"{n}.json").read_text())["benchmarks"][0] for n in ("healthy", "slow")
+    )
     assert before["name"] == after["name"] == "test_sync_throughput_against_its_ceiling[broadcast]"
-    assert after["extra_info"]["ratio"] < before["extra_info"]["ratio"] / 2, (before["extra_info"], after["extra_info"])
+    assert after["extra_info"]["ratio"] < before["extra_info"]["ratio"] / 2, (
+        before["extra_info"],
+        after["extra_info"],
+    )

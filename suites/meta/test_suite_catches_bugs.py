@@ -15,16 +15,27 @@ def _run(pytester, *args):
 
 
 def test_suite_fails_a_path_that_loses_the_sign_of_zero(pytester):
-    result = _run(pytester, "--weightsync-backend=suites.meta.broken:make_sign_losing_backend",
-                  "--weightsync-receivers=1", "-k", "special_values")
+    result = _run(
+        pytester,
+        "--weightsync-backend=suites.meta.broken:make_sign_losing_backend",
+        "--weightsync-receivers=1",
+        "-k",
+        "special_values",
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) >= 3, f"expected bf16/fp16/fp32 failures, got {outcomes}"
     result.stdout.fnmatch_lines(["*not bitwise equal*"])
 
 
 def test_suite_fails_an_engine_that_keeps_a_stale_prefix_cache(pytester):
-    result = _run(pytester, "--weightsync-backend=disk", "--weightsync-receivers=1",
-                  "--weightsync-engine=suites.meta.broken:make_stale_cache_engine", "-k", "fresh_engine")
+    result = _run(
+        pytester,
+        "--weightsync-backend=disk",
+        "--weightsync-receivers=1",
+        "--weightsync-engine=suites.meta.broken:make_stale_cache_engine",
+        "-k",
+        "fresh_engine",
+    )
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-2000:]
     result.stdout.fnmatch_lines(["*prefix cache not invalidated*"])
 
@@ -42,8 +53,12 @@ def test_unknown_backend_is_a_usage_error_not_a_crash(pytester):
 
 
 def test_report_header_names_what_is_under_test(pytester):
-    result = _run(pytester, "--weightsync-backend=disk", "--weightsync-receivers=1", "-k", "special_values and F32")
-    result.stdout.fnmatch_lines(["weightsync: backend=disk*", "weightsync:   capabilities=*", "weightsync: engine=*"])
+    result = _run(
+        pytester, "--weightsync-backend=disk", "--weightsync-receivers=1", "-k", "special_values and F32"
+    )
+    result.stdout.fnmatch_lines(
+        ["weightsync: backend=disk*", "weightsync:   capabilities=*", "weightsync: engine=*"]
+    )
     assert result.ret == 0, result.stdout.str()[-2000:]
 
 
@@ -61,8 +76,9 @@ def test_results_file_survives_a_killed_run_and_names_the_test_it_stopped_in(pyt
         """
     )
     results = pytester.path / "results.json"
-    run = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--weightsync-backend=disk",
-                                        f"--weightsync-results={results}")
+    run = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--weightsync-backend=disk", f"--weightsync-results={results}"
+    )
     assert run.ret != 0, "the killed run reported success"
     data = json.loads(results.read_text())
     assert data["complete"] is False and data["running"].endswith("test_second_is_killed"), (
@@ -73,8 +89,13 @@ def test_results_file_survives_a_killed_run_and_names_the_test_it_stopped_in(pyt
 
 
 def test_suite_fails_a_delta_that_compares_values_not_bits(pytester):
-    result = _run(pytester, "--weightsync-backend=suites.meta.broken:make_value_diff_delta_backend",
-                  "--weightsync-receivers=1", "-k", "patch_carries_special_values and signed-zero")
+    result = _run(
+        pytester,
+        "--weightsync-backend=suites.meta.broken:make_value_diff_delta_backend",
+        "--weightsync-receivers=1",
+        "-k",
+        "patch_carries_special_values and signed-zero",
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 3, f"expected a failure per float dtype, got {outcomes}"
     assert outcomes.get("passed", 0) == 0, outcomes
@@ -86,65 +107,98 @@ def test_suite_fails_a_path_that_cuts_buckets_larger_than_its_unit(pytester):
     broken = "--weightsync-backend=suites.meta.broken:make_tail_losing_ipc_backend"
     old = _run(pytester, broken, "--weightsync-receivers=1", "-k", "test_many_tensors_across_buckets")
     assert old.parseoutcomes().get("passed", 0) == 1, old.parseoutcomes()
-    new = _run(pytester, broken, "--weightsync-receivers=1", "-k", "test_payload_spanning_many_buckets and 1000")
+    new = _run(
+        pytester, broken, "--weightsync-receivers=1", "-k", "test_payload_spanning_many_buckets and 1000"
+    )
     outcomes = new.parseoutcomes()
     assert outcomes.get("failed", 0) == 1, f"expected the unaligned bucket size to fail, got {outcomes}"
     assert "digest" in new.stdout.str(), new.stdout.str()[-2000:]
 
 
 def _engine_run(pytester, engine, k, *extra):
-    return _run(pytester, "--weightsync-backend=disk", "--weightsync-receivers=1", f"--weightsync-engine={engine}",
-                "-k", k, *extra)
+    return _run(
+        pytester,
+        "--weightsync-backend=disk",
+        "--weightsync-receivers=1",
+        f"--weightsync-engine={engine}",
+        "-k",
+        k,
+        *extra,
+    )
 
 
 def test_suite_fails_a_tied_head_that_keeps_the_embedding_it_was_loaded_with(pytester):
     broken = "suites.meta.broken:make_stale_tied_head_engine"
-    result = _engine_run(pytester, broken, "tied_head or full_model_update", f"--weightsync-tied-engine={broken}")
+    result = _engine_run(
+        pytester, broken, "tied_head or full_model_update", f"--weightsync-tied-engine={broken}"
+    )
     outcomes = result.parseoutcomes()
     # read back by name the weights are right; computed, they are not
     assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) >= 1, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*_ test_tied_head_computes_with_the_pushed_embedding*",
-                                 "*does not compute like an independent forward*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_tied_head_computes_with_the_pushed_embedding*",
+            "*does not compute like an independent forward*",
+        ]
+    )
 
 
 def test_suite_fails_an_engine_that_caches_a_kept_requests_old_kv_after_the_update(pytester):
-    result = _engine_run(pytester, "suites.meta.broken:make_decode_block_caching_engine",
-                         "fresh_engine or under_traffic")
+    result = _engine_run(
+        pytester, "suites.meta.broken:make_decode_block_caching_engine", "fresh_engine or under_traffic"
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) == 2, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*_ test_new_requests_after_an_update_under_traffic*keep*",
-                                 "*stale KV from version 0 served?*"])
+    result.stdout.fnmatch_lines(
+        ["*_ test_new_requests_after_an_update_under_traffic*keep*", "*stale KV from version 0 served?*"]
+    )
 
 
 def test_suite_fails_a_pause_that_misses_queued_requests(pytester):
     # (every other pause test stays within the batch of 8, and passes it)
-    result = _engine_run(pytester, "suites.meta.broken:make_queue_blind_pause_engine", "queued_behind_the_batch")
+    result = _engine_run(
+        pytester, "suites.meta.broken:make_queue_blind_pause_engine", "queued_behind_the_batch"
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 2 and outcomes.get("passed", 0) == 1, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*_ test_pause_reaches_requests_queued_behind_the_batch*abort*",
-                                 "*_ test_pause_reaches_requests_queued_behind_the_batch*wait*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_pause_reaches_requests_queued_behind_the_batch*abort*",
+            "*_ test_pause_reaches_requests_queued_behind_the_batch*wait*",
+        ]
+    )
 
 
 def test_suite_fails_a_kept_request_that_finishes_on_the_old_weights(pytester):
     result = _engine_run(pytester, "suites.meta.broken:make_deferred_swap_engine", "kept_requests_continue")
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) >= 1, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*_ test_kept_requests_continue_as_an_independent_forward*",
-                                 "*the continuation matches instead: old*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_kept_requests_continue_as_an_independent_forward*",
+            "*the continuation matches instead: old*",
+        ]
+    )
 
 
 def test_suite_fails_an_in_place_rollback_that_forgets_fused_slices(pytester):
     result = _engine_run(pytester, "suites.meta.broken:make_fused_blind_rollback_engine", "in_place")
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) == 2, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*_ test_rollback_restores_the_committed_version*",
-                                 "*after an in-place load rolled back*"])
+    result.stdout.fnmatch_lines(
+        ["*_ test_rollback_restores_the_committed_version*", "*after an in-place load rolled back*"]
+    )
 
 
 def test_receivers_stream_into_an_engine_that_loads_in_place_on_every_path(pytester):
     """The reference engine that loads in place (receivers write each verified part into the live
     weights, roll back on refusal or abort) passes the bitwise, bad-input and in-place checks on every path."""
-    result = _run(pytester, "--weightsync-engine=reference-in-place", "--weightsync-receivers=2",
-                  "-k", "bad_input or full_model_update or in_place")
+    result = _run(
+        pytester,
+        "--weightsync-engine=reference-in-place",
+        "--weightsync-receivers=2",
+        "-k",
+        "bad_input or full_model_update or in_place",
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) >= 30, result.stdout.str()[-3000:]

@@ -33,7 +33,9 @@ def _paths(config) -> list[str]:
 
 
 def pytest_generate_tests(metafunc):
-    if "path_name" in metafunc.fixturenames:  # ids: the path's own name, so saved benchmarks compare across builds
+    if (
+        "path_name" in metafunc.fixturenames
+    ):  # ids: the path's own name, so saved benchmarks compare across builds
         from harness.registry import resolve_backend
 
         paths = _paths(metafunc.config)
@@ -44,9 +46,11 @@ ATTEMPTS = 2  # the gate's retry budget (see the module docstring)
 
 
 def _figures(row) -> str:
-    return (f"{row.path} {row.receivers} rx {row.size_bytes / 2**20:.0f} MiB: {row.algbw_gbs:.3f} GB/s = "
-            f"{row.ratio:.3f} of its ceiling {row.ceiling_gbs:.3f} GB/s (floor {row.floor}); median "
-            f"{row.time_s * 1e3:.1f} ms = " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items()))
+    return (
+        f"{row.path} {row.receivers} rx {row.size_bytes / 2**20:.0f} MiB: {row.algbw_gbs:.3f} GB/s = "
+        f"{row.ratio:.3f} of its ceiling {row.ceiling_gbs:.3f} GB/s (floor {row.floor}); median "
+        f"{row.time_s * 1e3:.1f} ms = " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items())
+    )
 
 
 def _gate(rows, benchmark) -> None:
@@ -94,5 +98,13 @@ def test_sync_scaling(benchmark, selection, path_name, size_mib, receivers, tmp_
     if receivers > 1 and not backend.capabilities.multi_receiver:
         pytest.skip(f"backend {path_name!r} takes one receiver")
     size = size_mib << 20
-    row = _run(benchmark, backend, size, receivers, tmp_path, floor_for(backend.name, size, floors_of(pytestconfig)), 3)
+    row = _run(
+        benchmark,
+        backend,
+        size,
+        receivers,
+        tmp_path,
+        floor_for(backend.name, size, floors_of(pytestconfig)),
+        3,
+    )
     _gate([row], benchmark)

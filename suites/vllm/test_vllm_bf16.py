@@ -67,6 +67,8 @@ def test_float32_master_weights_are_refused_and_bf16_kept(bf16_llama, request):
         push(bf16_llama, next_version(bf16_llama), weights)
     message = str(info.value)
     sent, held = dtype_name(torch.float32), dtype_name(torch.bfloat16)
-    assert sent in message and held in message, f"the refusal does not name both dtypes ({sent}, {held}): {message}"
+    assert sent in message and held in message, (
+        f"the refusal does not name both dtypes ({sent}, {held}): {message}"
+    )
     assert_unchanged(bf16_llama, before, "after float32 weights were refused", rerun(request))
     assert all(t.dtype == torch.bfloat16 for t in before[1].values())

@@ -29,13 +29,18 @@ def test_fault_matrix_passes_with_vllm_as_the_engine(backend, tmp_path):
         "--weightsync-fault-timeout=10", f"--weightsync-results={results}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, check=False)
-    assert results.exists(), f"the fault suite wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+    assert results.exists(), (
+        f"the fault suite wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+    )
     data = json.loads(results.read_text())
     cells = {node: rec.get("fault_cell") or {} for node, rec in data["tests"].items()}
     bad = {node: c for node, c in cells.items() if c.get("verdict") in ("fail", "unknown")}
     assert not bad and proc.returncode == 0, (
         f"{len(bad)} fault cell(s) not ok with vLLM over {backend} (exit {proc.returncode}):\n"
-        + "\n".join(f"- {c.get('fault')} ({c.get('point')}): {c.get('verdict')} {c.get('reasons')}" for c in bad.values())
+        + "\n".join(
+            f"- {c.get('fault')} ({c.get('point')}): {c.get('verdict')} {c.get('reasons')}"
+            for c in bad.values()
+        )
         + f"\n{proc.stdout[-2000:]}\nrerun: python -m {' '.join(cmd[2:])}"
     )
     ok = sorted(c["fault"] for c in cells.values() if c.get("verdict") == "ok")

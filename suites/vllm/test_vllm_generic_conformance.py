@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ["disk", "broadcast"]
 
 
-@pytest.mark.timeout(1500)  # disk readers are ranks now: every fresh engine is a vLLM started in a rank (~290 s)
+@pytest.mark.timeout(
+    1500
+)  # disk readers are ranks now: every fresh engine is a vLLM started in a rank (~290 s)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generic_conformance_suite_passes_with_vllm_as_the_engine(backend, tmp_path):
     results = tmp_path / "results.json"
@@ -35,10 +37,14 @@ def test_generic_conformance_suite_passes_with_vllm_as_the_engine(backend, tmp_p
     ]  # fmt: skip
     # ~80 tests, each on a fresh vLLM in a rank: ~13 min on 2 loaded cores; the mark's 1500 s bounds it all
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1400, check=False)
-    assert results.exists(), f"the suite wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    assert results.exists(), (
+        f"the suite wrote no results (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+    )
     data = json.loads(results.read_text())
     outcomes = {node: rec.get("status") for node, rec in data["tests"].items()}
-    failed = {node: data["tests"][node].get("message", "")[-800:] for node, s in outcomes.items() if s == "failed"}
+    failed = {
+        node: data["tests"][node].get("message", "")[-800:] for node, s in outcomes.items() if s == "failed"
+    }
     rerun = " ".join(cmd[2:])
     assert not failed and proc.returncode == 0, (
         f"{len(failed)} conformance test(s) failed with vLLM as the engine over {backend} (exit {proc.returncode}):\n"
@@ -48,4 +54,6 @@ def test_generic_conformance_suite_passes_with_vllm_as_the_engine(backend, tmp_p
     passed = sum(s == "passed" for s in outcomes.values())
     not_supported = sum(s == "not_supported" for s in outcomes.values())
     # The suite must have exercised vLLM, not reported everything NOT_SUPPORTED.
-    assert passed >= 25 and data["complete"], f"only {passed} passed ({not_supported} NOT_SUPPORTED): {outcomes}"
+    assert passed >= 25 and data["complete"], (
+        f"only {passed} passed ({not_supported} NOT_SUPPORTED): {outcomes}"
+    )

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.vllm
 PROMPT = (1, 17, 4, 250, 33)
 CHECK = 8  # tokens compared with transformers on each side of the pause
 CONCURRENT = 3  # long requests in flight when pause(abort) lands
-ATTEMPTS = 6  # a pause can land late on 2 loaded cores (up to ~1000 tokens, seen); each miss costs one request
+ATTEMPTS = (
+    6  # a pause can land late on 2 loaded cores (up to ~1000 tokens, seen); each miss costs one request
+)
 
 
 def _in_flight(deployment, tokens: int, max_tokens: int = LONG_TOKENS):
@@ -58,7 +60,9 @@ def test_pause_abort_ends_in_flight_and_queues_new_requests(llama_deployment, re
         aborted = [c for c in ended if c.finish_reason != "length"]
         if aborted:
             break
-        misses.append(f"attempt {attempt}: all {CONCURRENT} ran to {LONG_TOKENS} tokens before the pause landed")
+        misses.append(
+            f"attempt {attempt}: all {CONCURRENT} ran to {LONG_TOKENS} tokens before the pause landed"
+        )
         engine.resume()  # nothing was in flight to abort
     else:
         pytest.fail(
@@ -78,7 +82,9 @@ def test_pause_abort_ends_in_flight_and_queues_new_requests(llama_deployment, re
             f"in-flight request under pause(abort), attempt {attempt}/{ATTEMPTS}: finish {c.finish_reason!r} after "
             f"{len(c.token_ids)} tokens; expected 'abort' with partial output\nrerun: {rerun(request)}"
         )
-        assert c.versions_seen == {v0}, f"aborted request saw versions {sorted(c.versions_seen)}, expected [{v0}]"
+        assert c.versions_seen == {v0}, (
+            f"aborted request saw versions {sorted(c.versions_seen)}, expected [{v0}]"
+        )
     after = queued.result(timeout=120)
     expected = hf_greedy(engine.model_dir, w1, [(1, 5, 6)], CHECK)[0]
     assert (after.finish_reason, after.versions_seen, after.token_ids) == ("length", {v1}, expected), (
@@ -112,7 +118,7 @@ def test_pause_wait_lets_in_flight_finish_on_the_old_weights(llama_deployment, r
 
 def test_pause_keep_freezes_then_continues_on_the_new_weights(llama_deployment, request):
     engine = engine_of(llama_deployment)
-    for attempt in range(1, ATTEMPTS + 1):
+    for attempt in range(1, ATTEMPTS + 1):  # noqa: B007 - reported after the loop
         v0, old = snapshot(llama_deployment)
         reference = engine.generate([token_request(PROMPT, LONG_TOKENS, "reference")], timeout=120)[
             0
