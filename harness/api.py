@@ -294,6 +294,11 @@ class TensorSpec:
 WeightSpec = Mapping[str, TensorSpec]
 
 
+def spec_of(named: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """The spec (shape and dtype per name) of a set of tensors, as a deployment is built for."""
+    return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in named.items()}
+
+
 class Engine(abc.ABC):
     """An inference engine that serves token-id requests and holds one committed weight version."""
 

@@ -23,9 +23,8 @@ from typing import Self
 import torch
 import torch.distributed as dist
 
-from fixtures.payloads import spec_of
 from harness import phases
-from harness.api import Backend
+from harness.api import Backend, spec_of
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
 from harness.manifest import DEFAULT_BUCKET_BYTES

@@ -613,10 +613,10 @@ class VllmDeployment(Deployment):
 
 def make_engine(spec: WeightSpec | None = None) -> InProcessVllm:
     """Engine factory for `--weightsync-engine=harness.engines.vllm:make_engine`: real vLLM, in
-    process, serving the tiny Llama of fixtures.hf_models (built once under WEIGHTSYNC_MODEL_CACHE,
-    default a folder in the temp dir). Any path delivers into it through `commit_weights`, i.e.
+    process, serving the tiny Llama of harness.engines.tiny_hf_models (built once under
+    WEIGHTSYNC_MODEL_CACHE, default a folder in the temp dir). Any path delivers into it through `commit_weights`, i.e.
     through vLLM's own lifecycle. vLLM serves a fixed model: a spec must be a subset of its own."""
-    from fixtures.hf_models import TINY_LLAMA, build
+    from harness.engines.tiny_hf_models import TINY_LLAMA, build
 
     cache = os.environ.get("WEIGHTSYNC_MODEL_CACHE") or os.path.join(
         tempfile.gettempdir(), "weightsync-models"

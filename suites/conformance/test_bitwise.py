@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fixtures.payloads import spec_of, special_values, weight_sets
-from harness.api import ALL_DTYPES
+from fixtures.payloads import special_values, weight_sets
+from harness.api import ALL_DTYPES, spec_of
 from harness.manifest import dtype_name
 from suites.conformance.helpers import push_and_check, rerun_hint
 

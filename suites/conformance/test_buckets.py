@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fixtures.payloads import bucket_crossing_sets, spec_of
+from fixtures.payloads import bucket_crossing_sets
+from harness.api import spec_of
 from harness.manifest import Manifest
 from suites.conformance.helpers import push_and_check, rerun_hint
 

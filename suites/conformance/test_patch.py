@@ -10,8 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fixtures.payloads import spec_of, tensor_from_bits, weight_sets
-from harness.api import BaseMismatch, TensorSpec, VersionError
+from fixtures.payloads import tensor_from_bits, weight_sets
+from harness.api import BaseMismatch, TensorSpec, VersionError, spec_of
 from harness.deployment import push
 from harness.trainer import ReferenceTrainer
 from suites.conformance.helpers import (

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
-    from fixtures.hf_models import TINY_LLAMA, build
+    from harness.engines.tiny_hf_models import TINY_LLAMA, build
     from harness.engines.vllm_server import VllmServerProcess
 
     root = tmp_path_factory.mktemp("vllm-control")

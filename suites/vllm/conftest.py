@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.hf_models import TINY_LLAMA, TINY_QWEN2_TIED, TinyModel, build
+from harness.engines.tiny_hf_models import TINY_LLAMA, TINY_QWEN2_TIED, TinyModel, build
 
 MODELS: dict[str, TinyModel] = {"llama": TINY_LLAMA, "qwen2-tied": TINY_QWEN2_TIED}
 FORMS = ("inproc", "server")

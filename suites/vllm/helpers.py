@@ -7,10 +7,10 @@ import shlex
 
 import torch
 
-from fixtures.hf_models import hf_greedy, random_checkpoint
 from harness.api import Completion, Deployment, GenerationRequest
 from harness.checks import assert_bitwise_equal
 from harness.deployment import push
+from harness.engines.tiny_hf_models import hf_greedy, random_checkpoint
 
 PROMPTS: tuple[tuple[int, ...], ...] = ((1, 10, 20, 30), (1, 5, 6), (7, 300, 11, 12, 13, 400, 9))
 GREEDY_TOKENS = 12

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from fixtures.hf_models import hf_greedy
+from harness.engines.tiny_hf_models import hf_greedy
 
 from .helpers import (
     LONG_TOKENS,

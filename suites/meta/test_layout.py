@@ -1,0 +1,54 @@
+"""The layout the architecture relies on (docs/architecture.md), checked from the source.
+
+The harness is what a user installs and runs against their own path; `fixtures/` is test-side data
+(hypothesis strategies). Each rule is read from the import statements with `ast`, so it holds
+whether or not the optional dependencies are installed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = ROOT / "harness"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (function-level imports included), absolute names."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the importing file's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def offending_imports(files, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    """{file: [imported modules under one of `forbidden`]} for the files that break the rule."""
+    out = {}
+    for path in files:
+        bad = sorted(
+            m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in forbidden)
+        )
+        if bad:
+            out[str(path.relative_to(ROOT))] = bad
+    return out
+
+
+def test_harness_imports_nothing_from_fixtures():
+    offenders = offending_imports(sorted(HARNESS.rglob("*.py")), ("fixtures",))
+    assert not offenders, (
+        f"harness/ must not import the test-side fixtures/ package (fixtures -> harness is fine): "
+        f"{offenders}; move what the harness needs into harness/. Rerun: "
+        f"python -m pytest suites/meta/test_layout.py"
+    )
