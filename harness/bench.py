@@ -308,8 +308,9 @@ class SyncBench:
         floor: float = 0.0,
         fraction: float | None = None,
         repeats: int = 5,
+        engine: str | None = None,
     ):
-        self.backend, self.receivers, self.floor = backend, receivers, floor
+        self.backend, self.receivers, self.floor, self.engine = backend, receivers, floor, engine
         self.weights = payload(size)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.changed = (
@@ -325,7 +326,10 @@ class SyncBench:
     def __enter__(self) -> Self:
         self._was_recording = phases.enabled()
         phases.set_enabled(True)  # before deploy: spawned ranks record too
-        self.deployment = self.backend.deploy(self.receivers, spec_of(self.weights), self._workdir)
+        by_engine = {"engine": self.engine} if self.engine else {}  # None: the backend's own default
+        self.deployment = self.backend.deploy(
+            self.receivers, spec_of(self.weights), self._workdir, **by_engine
+        )
         self._take_ranks = getattr(self.deployment, "take_phases", lambda: [])
         try:
             self.ceiling = make_ceiling(self.backend, self.nbytes, self.receivers, self._workdir)
@@ -446,15 +450,19 @@ def measure_sync(
     progress: Callable[[str], None] = lambda msg: None,
     floors: dict[str, float] | None = None,
     fraction: float | None = None,
+    engine: str | None = None,
 ) -> list[SyncRow]:
     """One row per size (SyncBench): the median of `repeats` full pushes, each preceded by two ceiling
-    repeats; the ceiling is the best of its repeats."""
+    repeats; the ceiling is the best of its repeats. `engine`: the import path of the receivers' engine
+    factory, None for the backend's default (it must take any bf16 spec: Capabilities.arbitrary_tensors)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         for size in sizes:
             # delta is gated in the RL regime only; the other fractions of a sweep are measured, not gated
             floor = floor_for(backend.name, size, floors) if fraction in (None, DEFAULT_CHANGED) else 0.0
-            with SyncBench(backend, size, receivers, workdir or tmp, floor, fraction, repeats) as bench:
+            with SyncBench(
+                backend, size, receivers, workdir or tmp, floor, fraction, repeats, engine
+            ) as bench:
                 for i in range(repeats):
                     progress(
                         f"{backend.name}: {receivers} receiver(s), {bench.nbytes / 2**20:.0f} MiB, "

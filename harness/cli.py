@@ -4,7 +4,15 @@
     weightsync certify --backend mypkg.sync:make_backend --engine reference
     weightsync bench --backend broadcast --sizes-mib 16 64 256 --receivers 1 2 3   # -> reports/bench-<stamp>/
 
-Exit status: 0 the verdict is PASS, 1 FAIL, 2 a usage error (an unknown backend, engine or floor; nothing ran).
+Exit status of certify (bench: the same, less 3):
+  0  PASS              every piece of evidence was taken and none failed
+  1  FAIL              a test, a fault cell or a throughput row (#wrong > 0, or below its floor) failed
+  2  usage error       an unknown backend, engine or floor: nothing ran, no folder was written
+  3  COULD NOT DECIDE  evidence is missing: a pytest run crashed, was killed or wrote no results, a fault
+                       cell is unknown, the throughput could not be measured, or nothing was shown (every
+                       test NOT_SUPPORTED or skipped). Unknown is never reported as PASS.
+The exit status and the verdict of results.json, report.md and report.html are one computed value
+(harness.report.decide); every failure is printed with the command that reruns it alone.
 """
 
 from __future__ import annotations
@@ -19,10 +27,17 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from harness.api import WeightSyncError
-from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, engine_capabilities, resolve_backend
+from harness.registry import (
+    BUILTIN_BACKENDS,
+    EXTRA_BACKENDS,
+    engine_capabilities,
+    engine_path,
+    resolve_backend,
+)
 
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
@@ -99,23 +114,42 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
+def throughput_engine(name: str) -> tuple[str, str]:
+    """The engine the throughput rows are measured with, as an import path, and a sentence that says so.
+    The benchmark pushes seeded bf16 payloads of any size: an engine that serves only a fixed model
+    (Capabilities.arbitrary_tensors false, e.g. vLLM) cannot take them, and the reference engine stands in."""
+    import torch
+
+    caps = engine_capabilities(name)
+    if caps.arbitrary_tensors and torch.bfloat16 in caps.dtypes:
+        return engine_path(name), f"throughput measured with the engine under test, {name}"
+    return engine_path("reference"), (
+        f"throughput measured with the reference engine; --engine {name} was not measured because it "
+        "serves a fixed model and cannot take the benchmark's bf16 payloads of every size "
+        "(its capabilities: arbitrary_tensors="
+        f"{caps.arbitrary_tensors}, dtypes={sorted(str(d).removeprefix('torch.') for d in caps.dtypes)})"
+    )
+
+
 def certify(args: argparse.Namespace) -> int:
     from harness.bench import CPU_FLOORS, measure_sync, parse_floors
-    from harness.report import write_report
+    from harness.report import EXIT_STATUS, write_report
 
     # Every name is resolved before anything runs: a typo is a usage error in seconds, with no report folder.
     try:
         floors = parse_floors(args.floor, CPU_FLOORS)
         backends = {name: resolve_backend(name) for name in args.backend}
-        engine_capabilities(args.engine)  # the engine factory resolves and imports
+        engine_caps = engine_capabilities(args.engine)  # the engine factory resolves and imports
+        bench_engine, bench_note = throughput_engine(args.engine)
     except (ValueError, WeightSyncError) as exc:
         console.print(f"[red]usage error:[/] {exc}")
         return 2
+    bench_engine_name = args.engine if bench_engine == engine_path(args.engine) else "reference"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = Path(args.out) / f"certify-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     command = "weightsync " + shlex.join(sys.argv[1:])
-    results, faults, rows = {}, {}, []
+    results, faults, rows, missing = {}, {}, [], []
     for name, backend in backends.items():
         results[name] = run_conformance(name, args.engine, out, args.profile, args.receivers)
         if not args.no_faults:
@@ -123,9 +157,10 @@ def certify(args: argparse.Namespace) -> int:
                 name, args.engine, out, args.profile, args.receivers, suite="faults"
             )
         if not args.no_bench:
-            counts = [2] if backend.capabilities.multi_receiver else [1]
-            for rx in counts:
-                with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ...") as status:
+            limit = engine_caps.max_receivers if bench_engine_name == args.engine else 2
+            rx = 2 if backend.capabilities.multi_receiver and limit >= 2 else 1
+            with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ...") as status:
+                try:
                     rows += measure_sync(
                         backend,
                         [s << 20 for s in args.sizes_mib],
@@ -133,49 +168,82 @@ def certify(args: argparse.Namespace) -> int:
                         repeats=args.repeats,
                         floors=floors,
                         progress=lambda msg: status.update(f"[bold]throughput[/] {msg}"),
+                        engine=bench_engine,
+                    )
+                except Exception as exc:  # noqa: BLE001 - a measurement that raised is missing evidence
+                    missing.append(f"throughput {name}: not measured ({type(exc).__name__}: {exc})")
+                    console.print(
+                        f"[red]throughput {name} raised:[/] {escape(f'{type(exc).__name__}: {exc}')}"
                     )
     if not args.no_faults and args.default_selection:  # the control plane: a column of the fault matrix only
         for name in EXTRA_BACKENDS:
             faults[name] = run_conformance(
                 name, args.engine, out, args.profile, args.receivers, suite="faults"
             )
-    report = write_report(out, results, rows, command, faults)
+    report = write_report(
+        out,
+        results,
+        rows,
+        command,
+        faults,
+        engine=args.engine,
+        receivers=args.receivers,
+        profile=args.profile,
+        repeats=args.repeats,
+        throughput_engine=bench_engine_name,
+        throughput_note=bench_note if not args.no_bench else "",
+        missing=missing,
+    )
     if rows:
-        table = Table(title="sync throughput (median full lifecycle)")
-        for col in (
-            "path",
-            "rx",
-            "size (B)",
-            "count",
-            "time (ms)",
-            "algbw GB/s",
-            "ceiling GB/s",
-            "ratio",
-            "floor",
-            "#wrong",
-            "verdict",
-        ):
-            table.add_column(col, justify="right")
-        for r in rows:
-            table.add_row(
-                r.path,
-                str(r.receivers),
-                str(r.size_bytes),
-                str(r.count),
-                f"{r.time_s * 1e3:.2f}",
-                f"{r.algbw_gbs:.3f}",
-                f"{r.ceiling_gbs:.3f}",
-                f"{r.ratio:.2f}",
-                f"{r.floor or '-'}",
-                str(r.wrong),
-                r.verdict if r.floor or r.wrong else "reported",
-            )
-        console.print(table)
-    verdict = json.loads((out / "results.json").read_text())["verdict"]
-    colour = "green" if verdict == "PASS" else "red"
-    console.print(f"[bold {colour}]{verdict}[/] report: {report}")
+        console.print(throughput_table(rows, bench_note))
+    data = json.loads((out / "results.json").read_text())
+    verdict = data["verdict"]
+    for reason in data["reasons"]["failed"]:
+        console.print(f"[red]failed:[/] {escape(reason)}", highlight=False)
+    for reason in data["reasons"]["undecided"]:
+        console.print(f"[yellow]could not decide:[/] {escape(reason)}", highlight=False)
+    if data["reruns"]:
+        console.print("[bold]rerun a failure alone[/] (from the repository root):")
+        for rerun in data["reruns"]:
+            console.print(f"  {rerun['command']}", highlight=False, markup=False, soft_wrap=True)
+    colour = {"PASS": "green", "FAIL": "red"}.get(verdict, "yellow")
+    console.print(f"[bold {colour}]{verdict}[/] (exit {data['exit_status']}) bundle: {out}/", highlight=False)
     print(report)
-    return 0 if verdict == "PASS" else 1
+    return EXIT_STATUS[verdict]
+
+
+def throughput_table(rows: list, note: str) -> Table:
+    """The throughput rows as the terminal shows them; the title names the engine they were measured with."""
+    table = Table(title=f"sync throughput (median full lifecycle): {note}")
+    for col in (
+        "path",
+        "rx",
+        "size (B)",
+        "count",
+        "time (ms)",
+        "algbw GB/s",
+        "ceiling GB/s",
+        "ratio",
+        "floor",
+        "#wrong",
+        "verdict",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            r.path,
+            str(r.receivers),
+            str(r.size_bytes),
+            str(r.count),
+            f"{r.time_s * 1e3:.2f}",
+            f"{r.algbw_gbs:.3f}",
+            f"{r.ceiling_gbs:.3f}",
+            f"{r.ratio:.2f}",
+            f"{r.floor or '-'}",
+            str(r.wrong),
+            r.verdict if r.floor or r.wrong else "reported",
+        )
+    return table
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -187,8 +255,12 @@ def bench(args: argparse.Namespace) -> int:
     try:
         floors = parse_floors(args.floor, CPU_FLOORS)
         backends = [resolve_backend(name) for name in args.backend]
+        engine, note = throughput_engine(args.engine)
     except (ValueError, WeightSyncError) as exc:
         console.print(f"[red]{exc}[/]")
+        return 2
+    if engine != engine_path(args.engine):
+        console.print(f"[red]usage error:[/] {note}")
         return 2
     out = Path(args.out) / f"bench-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     sizes = [s << 20 for s in args.sizes_mib]
@@ -208,6 +280,7 @@ def bench(args: argparse.Namespace) -> int:
                         floors=floors,
                         fraction=fraction,
                         progress=lambda msg: status.update(f"[bold]bench[/] {msg}"),
+                        engine=engine,
                     )
                 for r in rows[done:]:
                     console.print(
@@ -223,11 +296,22 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    usage, _, exits = __doc__.partition("Exit status")
     parser = argparse.ArgumentParser(
-        prog="weightsync", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="weightsync",
+        description=usage,
+        epilog="Exit status" + exits,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("certify", help="run the conformance suite and the throughput table; write a report")
+    c = sub.add_parser(
+        "certify",
+        help="run the conformance suite, the fault matrix and the throughput table; write a report bundle",
+        description="Certify backends against an engine; writes reports/certify-<stamp>/ (results.json, "
+        "junit.xml, report.md, report.html).",
+        epilog="Exit status" + exits,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument(
         "--backend",
         action="append",
@@ -271,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         help="changed fractions for delta paths (the crossover sweep: largest size, fewest receivers)",
     )
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument(
+        "--engine",
+        default="reference",
+        help="engine factory of the receivers; it must take any bf16 payload (default: reference)",
+    )
     b.add_argument("--floor", action="append", default=[], metavar="PATH=RATIO")
     b.add_argument("--out", default="reports")
     args = parser.parse_args(argv)

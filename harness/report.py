@@ -1,10 +1,22 @@
-"""The certification report: one JSON a machine reads, one Markdown page (with a plot) a person reads."""
+"""The certification bundle: results.json a machine reads (docs/results-schema.md), junit.xml for CI, and
+report.md / report.html a person reads; and the one verdict that both the report and the exit status carry.
+
+The verdict weighs every piece of evidence (Jepsen's rule: unknown is never ok):
+FAIL if anything showed a failure (a test, a fault cell, a throughput row with #wrong > 0 or below its
+floor); else COULD NOT DECIDE if any evidence is missing (a suite crashed, was killed or wrote no results,
+a cell is unknown, the throughput could not be measured, or nothing at all was shown); else PASS.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.metadata
 import json
+import os
 import platform
+import shlex
 import time
+import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -32,17 +44,213 @@ INVARIANTS: dict[str, str] = {
 }
 
 
-def environment() -> dict[str, Any]:
-    import os
+#: Version of results.json's layout (docs/results-schema.md); bumped when a field changes meaning or goes.
+SCHEMA_VERSION = 1
 
-    return {
+PASS, FAIL, UNDECIDED = "PASS", "FAIL", "COULD NOT DECIDE"
+#: The exit status of `weightsync certify` for each verdict (2 is a usage error: nothing ran).
+EXIT_STATUS = {PASS: 0, FAIL: 1, UNDECIDED: 3}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version_of(dist: str) -> str | None:
+    """The installed version of a distribution, without importing it (vLLM's import takes seconds)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """The machine and the software that produced a run (results.json's `environment`)."""
+    env: dict[str, Any] = {
         "host": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "vllm": _version_of("vllm"),
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(),
         "cuda": torch.cuda.is_available(),
+        "gpus": [],
+        "nccl": None,
     }
+    if env["cuda"]:
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):  # a build without NCCL
+            env["nccl"] = None
+    return env
+
+
+@dataclasses.dataclass
+class Decision:
+    """The verdict and the evidence behind it: what failed, and what could not be established."""
+
+    failed: list[str] = dataclasses.field(default_factory=list)
+    undecided: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return FAIL if self.failed else UNDECIDED if self.undecided else PASS
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_STATUS[self.verdict]
+
+
+def _judge_suite(label: str, res: dict, decision: Decision, must_show: bool) -> None:
+    """One suite run (the results JSON of harness.pytest_plugin, as run_conformance returns it)."""
+    tests = res.get("tests", {})
+    statuses = Counter(rec.get("status", "unknown") for rec in tests.values())
+    for nodeid, rec in tests.items():
+        status = rec.get("status", "unknown")
+        cell = rec.get("fault_cell") or {}
+        if status in ("failed", "error", "xpassed") or cell.get("verdict") == "fail":
+            decision.failed.append(f"{label}: {nodeid} {status}")
+        elif status == "unknown" or cell.get("verdict") == "unknown":
+            decision.undecided.append(f"{label}: {nodeid} unknown (the outcome could not be established)")
+    exitstatus = res.get("exitstatus", 0)
+    if res.get("error"):
+        decision.undecided.append(f"{label}: {res['error']}")
+    elif not res.get("complete", True):
+        decision.undecided.append(f"{label}: pytest stopped during {res.get('running') or 'teardown'}")
+    elif exitstatus == 1 and not statuses["failed"] + statuses["error"]:
+        decision.failed.append(f"{label}: pytest exited 1 with no test failed (an error in a teardown?)")
+    elif exitstatus not in (0, 1, 5):
+        decision.undecided.append(f"{label}: pytest exited {exitstatus} (interrupted or internal error)")
+    if must_show and not res.get("error") and not statuses["passed"]:
+        decision.undecided.append(
+            f"{label}: nothing was shown (no test passed: {dict(statuses) or 'no tests'})"
+        )
+
+
+def decide(
+    results: dict[str, dict],
+    faults: dict[str, dict] | None = None,
+    rows: list | None = None,
+    missing: list[str] | tuple[str, ...] = (),
+) -> Decision:
+    """The verdict from every piece of evidence: conformance runs, fault runs, throughput rows, and
+    `missing` (evidence that could not be taken, e.g. a throughput measurement that raised)."""
+    decision = Decision()
+    for backend, res in results.items():
+        _judge_suite(f"conformance {backend}", res, decision, must_show=True)
+    for backend, res in (faults or {}).items():
+        _judge_suite(f"faults {backend}", res, decision, must_show=False)
+    for r in rows or []:
+        if not r.passed:
+            decision.failed.append(
+                f"throughput {r.path} {r.receivers}rx {r.size_bytes} B: {r.verdict} "
+                f"(#wrong {r.wrong}, ratio {r.ratio:.3f}, floor {r.floor or '-'})"
+            )
+    decision.undecided += list(missing)
+    if not results and not faults and not rows:
+        decision.undecided.append("no evidence: nothing was run")
+    return decision
+
+
+def pytest_rerun(
+    nodeid: str, backend: str, engine: str, receivers: str, profile: str = "ci", seed: int | None = None
+) -> str:
+    """The command that reruns one test alone (run from the repository root, as certify runs it)."""
+    cmd = [
+        "python",
+        "-m",
+        "pytest",
+        nodeid,
+        f"--weightsync-backend={backend}",
+        f"--weightsync-engine={engine}",
+        f"--weightsync-receivers={receivers}",
+    ]
+    if seed is not None:
+        cmd.append(f"--weightsync-fault-seed={seed}")
+    prefix = f"HYPOTHESIS_PROFILE={profile} " if profile != "ci" else ""
+    return prefix + shlex.join(cmd)
+
+
+def bench_rerun(row: Any, engine: str = "reference", repeats: int = 3) -> str:
+    """The `weightsync bench` command that remeasures one throughput row (SyncRow)."""
+    cmd = [
+        "weightsync",
+        "bench",
+        "--backend",
+        row.path,
+        "--sizes-mib",
+        str(max(1, round(row.size_bytes / 2**20))),
+        "--receivers",
+        str(row.receivers),
+        "--repeats",
+        str(repeats),
+    ]
+    if row.changed:
+        cmd += ["--delta-fractions", f"{row.changed:g}"]
+    if row.floor:
+        cmd += ["--floor", f"{row.path}={row.floor:g}"]
+    if engine != "reference":
+        cmd += ["--engine", engine]
+    return shlex.join(cmd)
+
+
+def reruns(
+    results: dict[str, dict],
+    faults: dict[str, dict],
+    rows: list,
+    engine: str,
+    receivers: str,
+    profile: str = "ci",
+    repeats: int = 3,
+) -> list[dict[str, str]]:
+    """One rerun line per failed (or unknown) test and per failed throughput row."""
+    out = []
+    for suite, runs in (("conformance", results), ("faults", faults)):
+        for backend, res in runs.items():
+            for nodeid, rec in res.get("tests", {}).items():
+                cell = rec.get("fault_cell") or {}
+                if rec.get("status") in ("failed", "error", "xpassed", "unknown") or cell.get("verdict") in (
+                    "fail",
+                    "unknown",
+                ):
+                    cmd = pytest_rerun(nodeid, backend, engine, receivers, profile, cell.get("seed"))
+                    out.append({"suite": suite, "what": f"{backend}: {nodeid}", "command": cmd})
+    for r in rows:
+        if not r.passed:
+            what = f"{r.path} {r.receivers}rx {r.size_bytes} B ({r.verdict})"
+            out.append({"suite": "throughput", "what": what, "command": bench_rerun(r, engine, repeats)})
+    return out
+
+
+def merge_junit(out_dir: Path, target: Path) -> dict[str, int]:
+    """Merge the per-suite junit-*.xml files pytest wrote into one <testsuites> file; returns its totals.
+    Each <testsuite> is renamed after its file (junit-conformance-disk.xml -> conformance-disk)."""
+    root = ET.Element("testsuites", name="weightsync certify")
+    totals = Counter()
+    for path in sorted(out_dir.glob("junit-*.xml")):
+        try:
+            tree = ET.parse(path).getroot()
+        except ET.ParseError:
+            continue  # a run killed mid-write; its absence is in the verdict already
+        suites = [tree] if tree.tag == "testsuite" else list(tree.iter("testsuite"))
+        for suite in suites:
+            suite.set("name", path.stem.removeprefix("junit-"))
+            for key in ("tests", "failures", "errors", "skipped"):
+                totals[key] += int(suite.get(key, 0))
+            totals["time"] += float(suite.get("time", 0))
+            root.append(suite)
+    for key, value in totals.items():
+        root.set(key, f"{value:.3f}" if key == "time" else str(value))
+    ET.ElementTree(root).write(target, encoding="utf-8", xml_declaration=True)
+    return {k: v for k, v in totals.items() if k != "time"}
 
 
 def invariant_of(nodeid: str) -> str:
@@ -71,18 +279,6 @@ def cell(c: Counter | None) -> str:
         return "NOT_SUPPORTED"
     extra = f" ({c['not_supported']} n/s)" if c.get("not_supported") else ""
     return f"PASS {c.get('passed', 0)}/{total}{extra}"
-
-
-def verdict(results: dict[str, dict]) -> str:
-    """FAIL if anything failed or a run stopped; a fault cell that is unknown fails it too (unknown is never ok)."""
-    failed = any(
-        rec.get("status") in ("failed", "error", "unknown") or res.get("exitstatus", 0) not in (0, 5)
-        for res in results.values()
-        for rec in res.get("tests", {}).values()
-    ) or any(
-        res.get("exitstatus", 0) not in (0, 5) or not res.get("complete", True) for res in results.values()
-    )
-    return "FAIL" if failed else "PASS"
 
 
 def fault_matrix(faults: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
@@ -295,22 +491,51 @@ def write_report(
     rows: list[SyncRow],
     command: str,
     faults: dict[str, dict] | None = None,
+    *,
+    engine: str = "reference",
+    receivers: str = "auto",
+    profile: str = "ci",
+    repeats: int = 3,
+    throughput_engine: str | None = None,
+    throughput_note: str = "",
+    missing: list[str] | tuple[str, ...] = (),
 ) -> Path:
-    """Write results.json and report.md (+ throughput.png) into out_dir; returns report.md."""
+    """Write the bundle into out_dir: results.json (docs/results-schema.md), junit.xml (the per-suite
+    junit-*.xml merged), report.md (+ its PNG plots) and report.html (self-contained); returns report.md.
+    The verdict is decide()'s, over every piece of evidence; `missing` is evidence that could not be taken."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     faults = faults or {}
+    decision = decide(results, faults, rows, missing)
+    junit = merge_junit(out_dir, out_dir / "junit.xml")
+    fault_seeds = sorted(
+        {
+            rec["fault_cell"]["seed"]
+            for res in faults.values()
+            for rec in res.get("tests", {}).values()
+            if rec.get("fault_cell") and rec["fault_cell"].get("seed") is not None
+        }
+    )
     data = {
-        "verdict": "FAIL"
-        if any(not r.passed for r in rows)
-        else verdict({**results, **{f"faults:{b}": r for b, r in faults.items()}}),
+        "schema_version": SCHEMA_VERSION,
+        "run_id": out_dir.name,
+        "verdict": decision.verdict,
+        "exit_status": decision.exit_status,
+        "reasons": {"failed": decision.failed, "undecided": decision.undecided},
+        "reruns": reruns(results, faults, rows, engine, receivers, profile, repeats),
         "command": command,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": env,
+        "engine": engine,
+        "receivers": receivers,
+        "seeds": {"hypothesis_profile": profile, "fault_seeds": fault_seeds, "payload_seed": 0},
         "conformance": results,
-        "throughput": [r.to_json() for r in rows],
-        "throughput_gate": {"failed": gate_failures(rows)},
         "faults": faults,
+        "throughput": [r.to_json() for r in rows],
+        "throughput_engine": throughput_engine if rows else None,
+        "throughput_note": throughput_note,
+        "throughput_gate": {"failed": gate_failures(rows)},
+        "junit": junit,
     }
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
 
@@ -322,6 +547,10 @@ def write_report(
         f"- command: `{command}`",
         f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
         f"torch {env['torch']}, CUDA {'yes' if env['cuda'] else 'no'})",
+        f"- exit status: {decision.exit_status} (0 PASS, 1 FAIL, 3 COULD NOT DECIDE)",
+    ]
+    md += verdict_section(data)
+    md += [
         "",
         "## What was under test",
         "",
@@ -353,7 +582,9 @@ def write_report(
         md += ["", "## Failures", ""]
         md += [f"- **{b}**: {err}" for b, err in stopped]
         for b, n, rec in failures:
-            md += [f"### {b}: `{n}`", "", "```", rec.get("message", "")[-1500:], "```", ""]
+            rerun = pytest_rerun(n, b, engine, receivers, profile)
+            md += [f"### {b}: `{n}`", "", f"rerun: `{rerun}`", "", "```", rec.get("message", "")[-1500:]]
+            md += ["```", ""]
     md += fault_section(faults)
     examples = {
         b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends
@@ -372,9 +603,10 @@ def write_report(
             f"| {b} | {sum(c.values())} | {c['passed']} | {c['failed'] + c['error']} | {c['not_supported']} | "
             f"{c['skipped']} | {examples[b]} |"
         )
+    if rows or throughput_note:
+        md += ["", "## Sync throughput", "", f"**{throughput_note}**" if throughput_note else ""]
     if rows:
-        md += throughput_section(rows, out_dir)
-    if rows:
+        md += throughput_section(rows, out_dir)[2:]  # the heading is above, with the engine it measured
         md += [
             "",
             "## Cost model",
@@ -393,4 +625,22 @@ def write_report(
     md.append("")
     path = out_dir / "report.md"
     path.write_text("\n".join(md))
+    from harness.report_html import render
+
+    (out_dir / "report.html").write_text(render(data, rows, out_dir))
     return path
+
+
+def verdict_section(data: dict) -> list[str]:
+    """Why the verdict is what it is, and the command that reruns each failure alone."""
+    md = []
+    reasons = data["reasons"]
+    if reasons["failed"] or reasons["undecided"]:
+        md += ["", "## Why", ""]
+        md += [f"- **failed** {r}" for r in reasons["failed"]]
+        md += [f"- **could not decide** {r}" for r in reasons["undecided"]]
+    if data["reruns"]:
+        md += ["", "## Rerun a failure alone", "", "From the repository root:", ""]
+        for r in data["reruns"]:
+            md += [f"- {r['suite']} {r['what']}:", f"  `{r['command']}`"]
+    return md

@@ -1,0 +1,238 @@
+"""report.html: the certification on one self-contained page (inline CSS, plots as data URIs, no links out),
+drawn from the same data as results.json so that the two can never disagree."""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections import Counter
+from pathlib import Path
+
+from harness.report import cell, fault_cell_text, fault_matrix, matrix
+
+CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
+h1{margin-bottom:.2em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
+table{border-collapse:collapse;margin:.6em 0;font-size:13px} th,td{border:1px solid #ccc;padding:3px 7px}
+th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums}
+.PASS,.ok{color:#11772b;font-weight:600} .FAIL,.fail{color:#b00020;font-weight:700}
+.UNDECIDED,.unknown{color:#a15c00;font-weight:700} .ns{color:#777}
+.verdict{font-size:2em;padding:.2em .5em;border-radius:6px;display:inline-block}
+.verdict.PASS{background:#e5f6e9} .verdict.FAIL{background:#fde8eb} .verdict.UNDECIDED{background:#fff3df}
+code,pre{background:#f6f6f6;font:12px ui-monospace,monospace} pre{padding:.6em;overflow-x:auto;white-space:pre-wrap}
+img{max-width:100%;border:1px solid #eee}
+"""
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value))
+
+
+def _verdict_class(verdict: str) -> str:
+    return "UNDECIDED" if verdict == "COULD NOT DECIDE" else verdict
+
+
+def _cell_html(text: str) -> str:
+    """A matrix cell of the Markdown report (`**FAIL** 1/3`, `PASS 3/3`, `NOT_SUPPORTED`), coloured."""
+    plain = text.replace("**", "")
+    first = plain.split(" ", 1)[0]
+    css = {"FAIL": "fail", "PASS": "ok", "ok": "ok", "unknown": "unknown", "NOT_SUPPORTED": "ns"}.get(
+        first, ""
+    )
+    return f'<td class="{css}">{_e(plain)}</td>'
+
+
+def _table(header: list[str], rows: list[list[str]], numeric_from: int = 99) -> str:
+    head = "".join(f"<th>{_e(h)}</th>" for h in header)
+    body = ""
+    for row in rows:
+        tds = "".join(
+            c if c.startswith("<td") else f"<td{' class=num' if i >= numeric_from else ''}>{_e(c)}</td>"
+            for i, c in enumerate(row)
+        )
+        body += f"<tr>{tds}</tr>"
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _image(path: Path, alt: str) -> str:
+    if not path.exists():
+        return ""
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<p><img alt="{_e(alt)}" src="data:image/png;base64,{data}"></p>'
+
+
+def render(data: dict, rows: list, out_dir: Path) -> str:
+    """The page for results.json's `data` (with the SyncRows it came from; plots read from out_dir)."""
+    results, faults, env = data["conformance"], data["faults"], data["environment"]
+    verdict = data["verdict"]
+    vclass = _verdict_class(verdict)
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>weightsync certification: {_e(verdict)}</title><style>{CSS}</style></head><body>",
+        "<h1>weightsync certification</h1>",
+        f'<div class="verdict {vclass}">{_e(verdict)}</div>',
+        f"<p>exit status {data['exit_status']} (0 PASS, 1 FAIL, 3 COULD NOT DECIDE) · run "
+        f"<code>{_e(data['run_id'])}</code> · generated {_e(data['generated_at'])}</p>",
+        f"<p>command: <code>{_e(data['command'])}</code></p>",
+    ]
+    reasons = data["reasons"]
+    if reasons["failed"] or reasons["undecided"]:
+        items = [f'<li><span class="fail">failed</span> {_e(r)}</li>' for r in reasons["failed"]]
+        items += [
+            f'<li><span class="unknown">could not decide</span> {_e(r)}</li>' for r in reasons["undecided"]
+        ]
+        parts += ["<h2>Why</h2><ul>", *items, "</ul>"]
+    if data["reruns"]:
+        parts += ["<h2>Rerun a failure alone</h2><p>From the repository root:</p><ul>"]
+        parts += [
+            f"<li>{_e(r['suite'])} {_e(r['what'])}<pre>{_e(r['command'])}</pre></li>" for r in data["reruns"]
+        ]
+        parts += ["</ul>"]
+
+    backends = list(results)
+    parts.append("<h2>What was under test</h2>")
+    parts.append(
+        _table(
+            ["backend", "engine", "receivers", "hypothesis profile", "capabilities"],
+            [
+                [
+                    b,
+                    str(results[b].get("engine", data["engine"])),
+                    str(results[b].get("receivers", {}).get(b, data["receivers"])),
+                    str(results[b].get("hypothesis_profile", data["seeds"]["hypothesis_profile"])),
+                    ", ".join(f"{k}={v}" for k, v in results[b].get("capabilities", {}).get(b, {}).items()),
+                ]
+                for b in backends
+            ],
+        )
+    )
+
+    mat = matrix(results)
+    parts.append("<h2>Invariants × paths</h2>")
+    parts.append(
+        _table(
+            ["invariant", *backends],
+            [[inv] + [_cell_html(cell(mat[inv].get(b))) for b in backends] for inv in sorted(mat)],
+        )
+    )
+    failures = [
+        (b, n, rec)
+        for b in backends
+        for n, rec in results[b].get("tests", {}).items()
+        if rec.get("status") in ("failed", "error")
+    ]
+    if failures:
+        parts.append("<h2>Failures</h2>")
+        for b, n, rec in failures:
+            parts.append(
+                f"<h3>{_e(b)}: <code>{_e(n)}</code></h3><pre>{_e(rec.get('message', '')[-3000:])}</pre>"
+            )
+
+    fmat = fault_matrix(faults)
+    if fmat:
+        fbackends = list(faults)
+        parts.append("<h2>Fault matrix</h2>")
+        parts.append(
+            "<p>ok / fail / unknown (never ok) / NOT_SUPPORTED per cell; times: slowest faulty push (detect) "
+            "/ slowest push after heal (recover).</p>"
+        )
+        parts.append(
+            _table(
+                ["fault", *fbackends],
+                [[k] + [_cell_html(fault_cell_text(fmat[k].get(b))) for b in fbackends] for k in fmat],
+            )
+        )
+
+    counts = {b: Counter(rec.get("status") for rec in results[b].get("tests", {}).values()) for b in backends}
+    parts.append("<h2>Counts</h2>")
+    parts.append(
+        _table(
+            ["backend", "tests", "passed", "failed", "NOT_SUPPORTED", "skipped", "unknown"],
+            [
+                [
+                    b,
+                    str(sum(c.values())),
+                    str(c["passed"]),
+                    str(c["failed"] + c["error"]),
+                    str(c["not_supported"]),
+                    str(c["skipped"]),
+                    str(c["unknown"]),
+                ]
+                for b, c in counts.items()
+            ],
+            numeric_from=1,
+        )
+    )
+
+    if rows or data.get("throughput_note"):
+        parts.append("<h2>Sync throughput</h2>")
+        if data.get("throughput_note"):
+            parts.append(f"<p><strong>{_e(data['throughput_note'])}</strong></p>")
+    if rows:
+        parts.append(
+            "<p>Full lifecycle per push, median of repeats; algbw = bytes / time; ceiling = the raw transport "
+            "on this machine; ratio = algbw / ceiling (the gate); #wrong = tensors not bitwise equal (must be 0). "
+            "docs/performance.md explains every column.</p>"
+        )
+        header = [
+            "path",
+            "rx",
+            "size (B)",
+            "count",
+            "type",
+            "time (ms)",
+            "algbw GB/s",
+            "ceiling GB/s",
+            "ratio",
+        ]
+        header += ["floor", "#wrong", "verdict"]
+        body = []
+        for r in rows:
+            gate = "ok" if r.passed and r.floor else r.verdict if not r.passed else "reported"
+            body.append(
+                [
+                    r.path,
+                    str(r.receivers),
+                    str(r.size_bytes),
+                    str(r.count),
+                    r.dtype,
+                    f"{r.time_s * 1e3:.2f}",
+                    f"{r.algbw_gbs:.3f}",
+                    f"{r.ceiling_gbs:.3f}",
+                    f"{r.ratio:.2f}",
+                    f"{r.floor:g}" if r.floor else "–",
+                    str(r.wrong),
+                    f'<td class="{"ok" if r.passed else "fail"}">{_e(gate)}</td>',
+                ]
+            )
+        parts.append(_table(header, body, numeric_from=1))
+        parts.append(_image(out_dir / "throughput.png", "throughput"))
+        parts.append(_image(out_dir / "breakdown.png", "where the time goes"))
+
+    parts.append("<h2>Environment</h2>")
+    env_rows = [
+        ["host", env.get("host")],
+        ["platform", env.get("platform")],
+        ["python", env.get("python")],
+        ["torch", env.get("torch")],
+        ["vllm", env.get("vllm") or "not installed"],
+        ["CPU", f"{env.get('cpu_model')} × {env.get('cpus')}"],
+        ["GPU", ", ".join(env.get("gpus") or []) or "none (torch.cuda not available)"],
+        ["NCCL", env.get("nccl") or "–"],
+    ]
+    parts.append(_table(["", "value"], [[k, str(v)] for k, v in env_rows]))
+    seeds = data["seeds"]
+    parts.append("<h2>Seeds</h2>")
+    parts.append(
+        _table(
+            ["", "value"],
+            [
+                ["hypothesis profile", str(seeds["hypothesis_profile"])],
+                ["fault seeds", ", ".join(map(str, seeds["fault_seeds"])) or "–"],
+                ["throughput payload seed", str(seeds["payload_seed"])],
+            ],
+        )
+    )
+    parts.append(f"<h2>Command</h2><pre>{_e(data['command'])}</pre>")
+    parts.append("</body></html>")
+    return "\n".join(p for p in parts if p)
