@@ -235,10 +235,10 @@ class MemcpyCeiling(Ceiling):
 def ceiling_kind(backend: Backend) -> str | None:
     """Which raw transport bounds a backend: by what it is built on, so a variant of a built-in path (a
     vendor's broadcast, a broken one in suites/meta) is measured against the same ceiling."""
-    from harness.paths.broadcast import BroadcastBackend
-    from harness.paths.delta import DeltaBackend
-    from harness.paths.disk import DiskBackend
-    from harness.paths.ipc import IpcBackend
+    from harness.backends.broadcast import BroadcastBackend
+    from harness.backends.delta import DeltaBackend
+    from harness.backends.disk import DiskBackend
+    from harness.backends.ipc import IpcBackend
 
     if isinstance(backend, DeltaBackend):
         return "memcpy" if backend.capabilities.ipc else "gloo"

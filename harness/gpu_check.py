@@ -435,9 +435,9 @@ def delta_on_gpu() -> list[dict]:
 
 
 GPU_BACKENDS = (
-    "harness.paths.broadcast:make_nccl_backend",
-    "harness.paths.ipc:make_cuda_backend",
-    "harness.paths.delta:make_nccl_backend",
+    "harness.backends.broadcast:make_nccl_backend",
+    "harness.backends.ipc:make_cuda_backend",
+    "harness.backends.delta:make_nccl_backend",
 )
 
 

@@ -17,17 +17,17 @@ from harness.api import (
 )
 
 BUILTIN_BACKENDS: dict[str, str] = {
-    "disk": "harness.paths.disk:make_backend",
-    "broadcast": "harness.paths.broadcast:make_backend",
-    "ipc": "harness.paths.ipc:make_backend",
-    "delta": "harness.paths.delta:make_backend",
-    "delta-ipc": "harness.paths.delta:make_ipc_backend",
+    "disk": "harness.backends.disk:make_backend",
+    "broadcast": "harness.backends.broadcast:make_backend",
+    "ipc": "harness.backends.ipc:make_backend",
+    "delta": "harness.backends.delta:make_backend",
+    "delta-ipc": "harness.backends.delta:make_ipc_backend",
 }
 
 #: Named backends outside the default selection: the control plane needs a rank restart per fresh
 #: engine, so it runs in the fault matrix (and on request), not through every conformance test.
 EXTRA_BACKENDS: dict[str, str] = {
-    "control": "harness.paths.control:make_backend",
+    "control": "harness.backends.control:make_backend",
 }
 
 BUILTIN_ENGINES: dict[str, str] = {

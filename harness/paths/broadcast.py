@@ -21,12 +21,9 @@ from harness import phases
 from harness.api import (
     DEFAULT_TIMEOUT_S,
     JSON,
-    Backend,
-    Capabilities,
     ManifestMismatch,
     Sender,
     TransferError,
-    WeightSpec,
     apply_cut,
 )
 from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest, as_bytes
@@ -319,68 +316,3 @@ class BroadcastReceiver(StagingReceiver):
 
     def _shutdown(self) -> None:
         self._group = None
-
-
-class BroadcastBackend(Backend):
-    """Built-in backend `broadcast`: rank 0 in this process, receivers in spawned rank processes."""
-
-    name = "broadcast"
-    sender_cls = BroadcastSender
-
-    def __init__(
-        self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S
-    ):
-        self.backend = backend
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.capabilities = Capabilities(
-            multi_receiver=True, max_receivers=16, gpu=backend == "nccl", interposable=True, buckets=True
-        )
-
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ):
-        from harness.launch import RankDeployment
-
-        return self.deploy_with(RankDeployment, n_receivers, spec, workdir, engine, bucket_bytes=bucket_bytes)
-
-    def deploy_with(
-        self,
-        deployment_cls,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        addr: str | None = None,
-        bucket_bytes: int | None = None,
-        **extra,
-    ):
-        """This path's wiring in another RankDeployment class (ranks placed elsewhere, e.g. containers),
-        the sender's store at `addr` (the trainer's address as the ranks see it)."""
-        return deployment_cls(
-            sender=self.sender_cls(
-                n_receivers, self.backend, bucket_bytes or self.bucket_bytes, self.timeout_s, addr=addr
-            ),
-            receiver_path="harness.paths.broadcast:BroadcastReceiver",
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
-            rank_init_info=lambda info, rank: {**info, "rank": rank},
-            timeout=self.timeout_s,
-            **extra,
-        )
-
-
-def make_backend() -> BroadcastBackend:
-    return BroadcastBackend()
-
-
-def make_nccl_backend() -> BroadcastBackend:
-    """The same path over NCCL: rank r on GPU r (the GPU variant; needs 1 + receivers GPUs)."""
-    return BroadcastBackend(backend="nccl", bucket_bytes=64 << 20)

@@ -17,15 +17,11 @@ import torch
 
 from harness import phases
 from harness.api import (
-    DEFAULT_TIMEOUT_S,
     JSON,
-    Backend,
-    Capabilities,
     ManifestMismatch,
     Sender,
     Tap,
     TransferError,
-    WeightSpec,
 )
 from harness.manifest import Manifest
 from harness.paths.base import StagingReceiver
@@ -223,44 +219,3 @@ class DiskReceiver(StagingReceiver):
                 "the one announced in update_info"
             )
         return read_checkpoint(directory, manifest)
-
-
-class DiskBackend(Backend):
-    """Built-in backend `disk`: one writer, N readers of a directory, each reader a rank process (a
-    read blocked on a hung filesystem holds only its rank, which the supervisor can kill)."""
-
-    name = "disk"
-    capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True, buckets=True)
-
-    def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.shard_bytes = shard_bytes
-        self.timeout_s = timeout_s
-
-    @property
-    def bucket_bytes(self) -> int:  # a shard file is this path's bucket
-        return self.shard_bytes
-
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ):
-        from harness.launch import RankDeployment
-
-        return RankDeployment(
-            sender=DiskSender(Path(workdir) / "checkpoints", bucket_bytes or self.shard_bytes),
-            receiver_path="harness.paths.disk:DiskReceiver",
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
-            rank_init_info=lambda info, rank: info,
-            timeout=self.timeout_s,
-        )
-
-
-def make_backend() -> DiskBackend:
-    return DiskBackend()

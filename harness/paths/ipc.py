@@ -25,14 +25,10 @@ import torch
 
 from harness import phases
 from harness.api import (
-    DEFAULT_TIMEOUT_S,
     JSON,
-    Backend,
-    Capabilities,
     ManifestMismatch,
     Sender,
     TransferError,
-    WeightSpec,
 )
 from harness.manifest import Manifest
 from harness.paths.base import StagingReceiver
@@ -280,60 +276,6 @@ class IpcReceiver(StagingReceiver):
                 f"{what} belongs to another sync (token {head.hex()[:12]}..., expected "
                 f"{token.hex()[:12]}...): foreign or stale handle"
             )
-
-
-class IpcBackend(Backend):
-    """Built-in backend `ipc`: engines in their own processes map the trainer's shared memory."""
-
-    name = "ipc"
-
-    def __init__(
-        self,
-        device: str = "cpu",
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-    ):
-        self.device = device
-        self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
-        self.capabilities = Capabilities(
-            ipc=True,
-            multi_receiver=True,
-            max_receivers=8,
-            gpu=device != "cpu",
-            interposable=device == "cpu",
-            buckets=True,
-        )
-
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ):
-        from harness.launch import RankDeployment
-
-        return RankDeployment(
-            sender=IpcSender(self.device, bucket_bytes or self.bucket_bytes),
-            receiver_path="harness.paths.ipc:IpcReceiver",
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
-            rank_init_info=lambda info, rank: info,
-            timeout=self.timeout_s,
-        )
-
-
-def make_backend() -> IpcBackend:
-    return IpcBackend()
-
-
-def make_cuda_backend() -> IpcBackend:
-    """CUDA IPC handles of buffers on cuda:0 (the GPU variant; needs a GPU)."""
-    return IpcBackend(device="cuda:0")
 
 
 def live_segments() -> list[str]:

@@ -24,6 +24,7 @@ import torch
 
 from fixtures.payloads import random_like_spec
 from harness.api import TensorSpec, WeightSyncError
+from harness.backends.broadcast import BroadcastBackend
 from harness.checks import CellObservation, judge_cell
 from harness.deployment import push
 from harness.faults.cell import detached, read_engines, recover
@@ -38,7 +39,6 @@ from harness.faults.docker_net import (
     PacketLoss,
     Partition,
 )
-from harness.paths.broadcast import BroadcastBackend
 
 pytestmark = [
     pytest.mark.docker,

@@ -7,15 +7,19 @@ import os
 
 import torch
 
+from harness.backends.broadcast import BroadcastBackend
+from harness.backends.control import ControlBackend, ControlDeployment
+from harness.backends.delta import DeltaBackend
+from harness.backends.disk import DiskBackend
+from harness.backends.ipc import IpcBackend
 from harness.engines import tiny_lm
 from harness.engines.reference import ReferenceEngine
 from harness.engines.tiny_lm import ModelConfig
 from harness.paths import delta_codec
-from harness.paths.broadcast import BroadcastBackend, BroadcastSender
-from harness.paths.control import ControlBackend, ControlDeployment
-from harness.paths.delta import DeltaBackend, DeltaSender
-from harness.paths.disk import DiskBackend, DiskSender
-from harness.paths.ipc import TOKEN_BYTES, IpcBackend, IpcSender
+from harness.paths.broadcast import BroadcastSender
+from harness.paths.delta import DeltaSender
+from harness.paths.disk import DiskSender
+from harness.paths.ipc import TOKEN_BYTES, IpcSender
 
 
 class SignLosingSender(DiskSender):

@@ -52,3 +52,14 @@ def test_harness_imports_nothing_from_fixtures():
         f"{offenders}; move what the harness needs into harness/. Rerun: "
         f"python -m pytest suites/meta/test_layout.py"
     )
+
+
+def test_paths_hold_only_the_transport():
+    """A path module is the transport (sender, receiver, codec) that rank processes import; wiring it
+    into a deployment is harness/backends/'s job, so the launch machinery stays out of the data plane."""
+    forbidden = ("harness.launch", "harness.deployment", "harness.backends")
+    offenders = offending_imports(sorted((HARNESS / "paths").rglob("*.py")), forbidden)
+    assert not offenders, (
+        f"harness/paths/ must import none of {forbidden}: {offenders}; a Backend and its factory "
+        f"belong in harness/backends/. Rerun: python -m pytest suites/meta/test_layout.py"
+    )

@@ -1,0 +1,83 @@
+"""Built-in backends `delta` and `delta-ipc`: the delta path (harness.paths.delta) deployed over the
+broadcast or the shared-memory transport."""
+
+from __future__ import annotations
+
+from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, Sender, WeightSpec
+from harness.launch import RankDeployment
+from harness.paths.broadcast import BroadcastSender
+from harness.paths.delta import DEFAULT_MAX_SPARSE_FRACTION, DeltaSender
+from harness.paths.ipc import DEFAULT_BUCKET_BYTES as IPC_BUCKET_BYTES
+from harness.paths.ipc import IpcSender
+
+
+class DeltaBackend(Backend):
+    """Built-in backends `delta` (over broadcast) and `delta-ipc` (over shared memory)."""
+
+    def __init__(
+        self,
+        transport: str = "broadcast",
+        max_sparse_fraction: float = DEFAULT_MAX_SPARSE_FRACTION,
+        device: str = "cpu",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        bucket_bytes: int | None = None,
+    ):
+        self.transport = transport
+        # the patch's payload travels in the transport's units (its default where None is given)
+        self.bucket_bytes = bucket_bytes or (1 << 20 if transport == "broadcast" else IPC_BUCKET_BYTES)
+        self.timeout_s = timeout_s
+        self.max_sparse_fraction = max_sparse_fraction
+        self.device = device
+        self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
+        self.capabilities = Capabilities(
+            delta=True,
+            ipc=transport == "ipc",
+            multi_receiver=True,
+            max_receivers=8,
+            gpu=device != "cpu",
+            interposable=device == "cpu" or transport == "broadcast",
+            buckets=True,
+        )
+
+    def deploy(
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        bucket_bytes: int | None = None,
+    ):
+        unit = bucket_bytes or self.bucket_bytes
+        if self.transport == "broadcast":
+            backend = "nccl" if self.device != "cpu" else "gloo"
+            transport: Sender = BroadcastSender(n_receivers, backend, unit, timeout_s=self.timeout_s)
+            receiver_path, rank_info = (
+                "harness.paths.delta:DeltaReceiver",
+                (lambda info, rank: {**info, "rank": rank}),
+            )
+        else:
+            transport = IpcSender(self.device, unit)
+            receiver_path, rank_info = "harness.paths.delta:DeltaIpcReceiver", (lambda info, rank: info)
+        return RankDeployment(
+            sender=DeltaSender(transport, self.max_sparse_fraction),
+            receiver_path=receiver_path,
+            n_receivers=n_receivers,
+            spec=spec,
+            engine=engine,
+            workdir=workdir,
+            rank_init_info=rank_info,
+            timeout=self.timeout_s,
+        )
+
+
+def make_backend() -> DeltaBackend:
+    return DeltaBackend("broadcast")
+
+
+def make_ipc_backend() -> DeltaBackend:
+    return DeltaBackend("ipc")
+
+
+def make_nccl_backend() -> DeltaBackend:
+    """Delta carried by NCCL broadcast (the GPU variant)."""
+    return DeltaBackend("broadcast", device="cuda")

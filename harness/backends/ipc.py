@@ -1,0 +1,60 @@
+"""Built-in backend `ipc`: the shared-memory path (harness.paths.ipc) deployed with the engines in their
+own processes; POSIX shared memory on CPU, CUDA IPC handles in the GPU variant."""
+
+from __future__ import annotations
+
+from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, WeightSpec
+from harness.launch import RankDeployment
+from harness.paths.ipc import DEFAULT_BUCKET_BYTES, IpcSender
+
+
+class IpcBackend(Backend):
+    """Built-in backend `ipc`: engines in their own processes map the trainer's shared memory."""
+
+    name = "ipc"
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        self.device = device
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.capabilities = Capabilities(
+            ipc=True,
+            multi_receiver=True,
+            max_receivers=8,
+            gpu=device != "cpu",
+            interposable=device == "cpu",
+            buckets=True,
+        )
+
+    def deploy(
+        self,
+        n_receivers: int,
+        spec: WeightSpec | None,
+        workdir: str,
+        engine: str | None = None,
+        bucket_bytes: int | None = None,
+    ):
+        return RankDeployment(
+            sender=IpcSender(self.device, bucket_bytes or self.bucket_bytes),
+            receiver_path="harness.paths.ipc:IpcReceiver",
+            n_receivers=n_receivers,
+            spec=spec,
+            engine=engine,
+            workdir=workdir,
+            rank_init_info=lambda info, rank: info,
+            timeout=self.timeout_s,
+        )
+
+
+def make_backend() -> IpcBackend:
+    return IpcBackend()
+
+
+def make_cuda_backend() -> IpcBackend:
+    """CUDA IPC handles of buffers on cuda:0 (the GPU variant; needs a GPU)."""
+    return IpcBackend(device="cuda:0")
