@@ -5,14 +5,21 @@
     pytest suites/conformance --weightsync-backend=mypkg.sync:make_backend --weightsync-engine=reference
 
 A backend that does not claim a capability a test needs makes that test NOT_SUPPORTED (a skip whose
-reason starts with NOT_SUPPORTED), reported apart from skipped and failed.
+reason starts with NOT_SUPPORTED), reported apart from skipped and failed: its own status in the terminal
+(N, NOT_SUPPORTED, "n not_supported" in the summary) and in the results JSON.
+
+Entry point pytest11, so it loads into every pytest run of the environment; it stays inert unless the run
+selects weightsync (see `selects_weightsync`): no header, no backend resolved, no hypothesis profile
+loaded. Its fixtures all start with `weightsync_`; its state lives in `config.stash`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -56,7 +63,11 @@ settings.register_profile(
     phases=list(Phase),
 )
 settings.register_profile("stateful-ci", parent=settings.get_profile("ci"), stateful_step_count=25)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# Registering is harmless; loading one happens in pytest_configure, and only in a run that selects weightsync.
+HYPOTHESIS_PROFILES = ("ci", "thorough")
+
+#: The suites this plugin serves: a run whose arguments lie in (or contain) this folder selects weightsync
+SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 
 
 #: Engines whose tied-embedding sibling is 'reference-tied' (the auto choice of --weightsync-tied-engine)
@@ -159,14 +170,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "defaults: harness.bench.CPU_FLOORS",
     )
     group.addoption(
+        "--weightsync-hypothesis-profile",
+        default=os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE")
+        or os.environ.get("HYPOTHESIS_PROFILE")
+        or "ci",
+        help=f"hypothesis profile to load, one of {list(HYPOTHESIS_PROFILES)} (default: env "
+        "WEIGHTSYNC_HYPOTHESIS_PROFILE, else env HYPOTHESIS_PROFILE, else ci). Loaded only in a run that "
+        "selects weightsync: one that passes any --weightsync-* option, or whose paths (or --pyargs modules) "
+        "lie in or contain weightsync's suites/ folder; never when --hypothesis-profile is given. Any other "
+        "pytest run keeps its own hypothesis settings",
+    )
+    group.addoption(
         "--weightsync-results",
         default=None,
         help="write per-test outcomes (passed/failed/skipped/NOT_SUPPORTED, examples) as JSON to this path",
     )
 
 
+_SELECTION = pytest.StashKey[Selection]()
+_OUTCOMES = pytest.StashKey[dict]()  # nodeid -> the record written to --weightsync-results
+_ACTIVE = pytest.StashKey[bool]()
+
+
 def _selection(config: pytest.Config) -> Selection:
-    sel = getattr(config, "_weightsync_selection", None)
+    sel = config.stash.get(_SELECTION, None)
     if sel is None:
         names = [n.strip() for n in config.getoption("--weightsync-backend").split(",") if n.strip()]
         backends = {n: resolve_backend(n) for n in names}  # raises BackendError with a specific message
@@ -181,8 +208,38 @@ def _selection(config: pytest.Config) -> Selection:
             config.getoption("--weightsync-receivers"),
             engine_capabilities(engine),
         )
-        config._weightsync_selection = sel  # type: ignore[attr-defined]
+        config.stash[_SELECTION] = sel
     return sel
+
+
+def outcomes_of(config: pytest.Config) -> dict:
+    """This run's per-test records (nodeid -> dict) that --weightsync-results writes; a test may add to
+    its own."""
+    return config.stash.setdefault(_OUTCOMES, {})
+
+
+def selects_weightsync(config: pytest.Config) -> bool:
+    """Whether this run is a weightsync run: it passes a --weightsync-* option (command line,
+    PYTEST_ADDOPTS or ini addopts), or one of its paths (or --pyargs modules) lies in or contains the
+    suites/ folder. Any other run of the environment gets nothing of the plugin but its options and markers."""
+    given = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))]
+    given += config.getini("addopts")
+    if any(str(a).startswith("--weightsync-") for a in given):
+        return True
+    for arg in config.args:
+        arg = arg.split("::")[0]
+        if config.getoption("pyargs", False) and "/" not in arg and not arg.endswith(".py"):
+            try:
+                spec = importlib.util.find_spec(arg.split(".")[0])
+            except (ImportError, ValueError):
+                spec = None
+            if spec and spec.origin and Path(spec.origin).resolve().parent == SUITES_DIR:
+                return True
+            continue
+        path = (config.invocation_params.dir / arg).resolve()
+        if path == SUITES_DIR or SUITES_DIR in path.parents or path in SUITES_DIR.parents:
+            return True
+    return False
 
 
 def floors_of(config: pytest.Config) -> dict[str, float]:
@@ -205,14 +262,27 @@ def pytest_configure(config: pytest.Config) -> None:
         "gpu: needs CUDA",
     ):
         config.addinivalue_line("markers", line)
+    config.stash[_OUTCOMES] = {}
+    config.stash[_ACTIVE] = active = selects_weightsync(config)
+    if not active:
+        return
+    profile = config.getoption("--weightsync-hypothesis-profile")
+    if profile not in HYPOTHESIS_PROFILES:
+        raise pytest.UsageError(
+            f"--weightsync-hypothesis-profile={profile!r} (or env WEIGHTSYNC_HYPOTHESIS_PROFILE / "
+            f"HYPOTHESIS_PROFILE): expected one of {list(HYPOTHESIS_PROFILES)}"
+        )
+    if not config.getoption("--hypothesis-profile", None):  # hypothesis's own option wins
+        settings.load_profile(profile)
     try:
         _selection(config)
     except BackendError as exc:  # a usage error with the specific message, not an INTERNALERROR
         raise pytest.UsageError(str(exc)) from None
-    config._weightsync_outcomes = {}  # type: ignore[attr-defined]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not config.stash.get(_ACTIVE, False):
+        return []
     sel = _selection(config)
     lines = []
     for name, b in sel.backends.items():
@@ -223,7 +293,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         lines.append(f"weightsync:   capabilities={caps}")
     lines.append(
         f"weightsync: engine={sel.engine} tied-engine={sel.tied_engine} "
-        f"hypothesis profile={settings._current_profile}"
+        f"hypothesis profile={settings.get_current_profile_name()}"
     )
     if sel.engine_caps is not ENGINE_UNRESTRICTED:
         lines.append(
@@ -254,10 +324,10 @@ def require(sel: Selection, name: str, *caps: str) -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    sel = _selection(item.config)
     target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
     if not target:
         return
+    sel = _selection(item.config)
     name, n = target
     caps = sel.capabilities(name)
     for mark in item.iter_markers("requires"):
@@ -308,52 +378,54 @@ class DeploymentPool:
 
 
 @pytest.fixture(scope="session")
-def selection(pytestconfig: pytest.Config) -> Selection:
+def weightsync_selection(pytestconfig: pytest.Config) -> Selection:
     return _selection(pytestconfig)
 
 
 @pytest.fixture
-def backend(selection: Selection, ws_target) -> Backend:
+def weightsync_backend(weightsync_selection: Selection, ws_target) -> Backend:
     """The backend under test for this test item."""
-    return selection.backends[ws_target[0]]
+    return weightsync_selection.backends[ws_target[0]]
 
 
 @pytest.fixture
-def capabilities(selection: Selection, ws_target) -> Capabilities:
+def weightsync_capabilities(weightsync_selection: Selection, ws_target) -> Capabilities:
     """What this test may exercise: what the backend under test and the engine both claim."""
-    return selection.capabilities(ws_target[0])
+    return weightsync_selection.capabilities(ws_target[0])
 
 
 @pytest.fixture
-def n_receivers(ws_target) -> int:
+def weightsync_n_receivers(ws_target) -> int:
     return ws_target[1]
 
 
 @pytest.fixture(scope="session")
-def deployment_pool(selection: Selection):
+def weightsync_deployment_pool(weightsync_selection: Selection):
     with tempfile.TemporaryDirectory(prefix="weightsync-") as d:
-        pool = DeploymentPool(selection, Path(d))
+        pool = DeploymentPool(weightsync_selection, Path(d))
         yield pool
         pool.close()
 
 
 @pytest.fixture
-def deployment(deployment_pool: DeploymentPool, ws_target) -> Deployment:
+def weightsync_deployment(weightsync_deployment_pool: DeploymentPool, ws_target) -> Deployment:
     """A deployment of the backend under test with fresh engines at version 0."""
-    dep = deployment_pool.get(*ws_target)
+    dep = weightsync_deployment_pool.get(*ws_target)
     dep.reset(None)
     return dep
 
 
 @pytest.fixture
-def deployment_with_buckets(deployment_pool: DeploymentPool, ws_target, capabilities):
-    """`deployment_with_buckets(n)`: a deployment of the backend under test whose data plane moves
+def weightsync_deployment_with_buckets(
+    weightsync_deployment_pool: DeploymentPool, ws_target, weightsync_capabilities
+):
+    """`weightsync_deployment_with_buckets(n)`: a deployment of the backend under test whose data plane moves
     versions in units of n bytes (deploy(bucket_bytes=n); NOT_SUPPORTED unless it claims `buckets`)."""
-    if not capabilities.buckets:
+    if not weightsync_capabilities.buckets:
         pytest.skip(f"{NOT_SUPPORTED}: backend {ws_target[0]!r} does not claim ['buckets']")
 
     def make(bucket_bytes: int) -> Deployment:
-        dep = deployment_pool.get(*ws_target, bucket_bytes=bucket_bytes)
+        dep = weightsync_deployment_pool.get(*ws_target, bucket_bytes=bucket_bytes)
         dep.reset(None)
         return dep
 
@@ -361,24 +433,26 @@ def deployment_with_buckets(deployment_pool: DeploymentPool, ws_target, capabili
 
 
 @pytest.fixture
-def tied_deployment(deployment_pool: DeploymentPool, selection: Selection, ws_target) -> Deployment:
+def weightsync_tied_deployment(
+    weightsync_deployment_pool: DeploymentPool, weightsync_selection: Selection, ws_target
+) -> Deployment:
     """A deployment of the backend under test into engines serving a model with tied input/output
     embeddings (--weightsync-tied-engine), fresh at version 0."""
-    dep = deployment_pool.get(*ws_target, engine=selection.tied_engine)
+    dep = weightsync_deployment_pool.get(*ws_target, engine=weightsync_selection.tied_engine)
     dep.reset(None)
     config = dep.handles[0].engine.model_config() or {}
     if not config.get("tie_word_embeddings"):
         pytest.skip(
-            f"{NOT_SUPPORTED}: engine {selection.tied_engine!r} serves no model with tied embeddings "
+            f"{NOT_SUPPORTED}: engine {weightsync_selection.tied_engine!r} serves no model with tied embeddings "
             "(name one with --weightsync-tied-engine)"
         )
     return dep
 
 
 @pytest.fixture
-def example_counter(request: pytest.FixtureRequest):
+def weightsync_example_counter(request: pytest.FixtureRequest):
     """Call it once per hypothesis example; the count lands in the results JSON."""
-    counts = request.config._weightsync_outcomes  # type: ignore[attr-defined]
+    counts = outcomes_of(request.config)
     key = request.node.nodeid
 
     def tick() -> None:
@@ -396,18 +470,34 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         status = report.outcome
         reason = ""
         if report.skipped:
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            status = "not_supported" if NOT_SUPPORTED in reason else "skipped"
+            reason = _skip_reason(report)
+            status = "not_supported" if _is_not_supported(report) else "skipped"
             if hasattr(report, "wasxfail"):
                 status = "xfailed"
         elif hasattr(report, "wasxfail"):
             status = "xpassed"
-        rec = item.config._weightsync_outcomes.setdefault(item.nodeid, {})  # type: ignore[attr-defined]
+        rec = outcomes_of(item.config).setdefault(item.nodeid, {})
         if status == "skipped" and UNKNOWN in reason:
             status = "unknown"  # a fault cell that could not run: never counted as passed
         rec.update(status=status, duration_s=round(report.duration, 3))
         if report.failed:
             rec["message"] = str(report.longrepr)[-2000:]
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def _is_not_supported(report: pytest.TestReport) -> bool:
+    return report.skipped and not hasattr(report, "wasxfail") and NOT_SUPPORTED in _skip_reason(report)
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
+    """NOT_SUPPORTED is a status of its own: 'N' / NOT_SUPPORTED, counted as 'not_supported' in the summary
+    line; an ordinary skip stays a skip."""
+    if _is_not_supported(report):
+        return "not_supported", "N", ("NOT_SUPPORTED", {"yellow": True})
+    return None
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -434,10 +524,10 @@ def _write_results(config: pytest.Config, running: str | None = None, exitstatus
         "engine": sel.engine,
         "receivers": {n: sel.receivers(n) for n in names},
         "capabilities": {n: sel.capabilities(n).describe() for n in names},
-        "hypothesis_profile": settings._current_profile,
+        "hypothesis_profile": settings.get_current_profile_name(),
         "complete": exitstatus is not None,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "tests": config._weightsync_outcomes,  # type: ignore[attr-defined]
+        "tests": outcomes_of(config),
     }
     if exitstatus is not None:
         data["exitstatus"] = exitstatus

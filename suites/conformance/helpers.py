@@ -40,7 +40,7 @@ def rerun_hint(request) -> str:
         f"--weightsync-backend={backend or cfg.getoption('--weightsync-backend')}",
         f"--weightsync-engine={cfg.getoption('--weightsync-engine')}",
     ]
-    if "tied_deployment" in request.fixturenames:
+    if "weightsync_tied_deployment" in request.fixturenames:
         args.append(f"--weightsync-tied-engine={cfg.getoption('--weightsync-tied-engine')}")
     return " ".join(shlex.quote(a) for a in args)
 

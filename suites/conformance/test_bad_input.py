@@ -16,11 +16,11 @@ pytestmark = pytest.mark.single_receiver
 
 
 @pytest.fixture
-def at_version_1(deployment):
+def at_version_1(weightsync_deployment):
     """The deployment after one good push (so 'unchanged' means version 1, not the initial weights)."""
-    spec = deployment.handles[0].engine.weight_spec()
-    push(deployment, 1, random_like_spec(spec, seed=1))
-    return deployment
+    spec = weightsync_deployment.handles[0].engine.weight_spec()
+    push(weightsync_deployment, 1, random_like_spec(spec, seed=1))
+    return weightsync_deployment
 
 
 def _model_weights(deployment, seed):
@@ -42,7 +42,7 @@ def _refused(deployment, exc_type, tensors, version, must_name):
     return message
 
 
-def test_unknown_tensor_name_is_refused(at_version_1, backend):
+def test_unknown_tensor_name_is_refused(at_version_1, weightsync_backend):
     weights = {**_model_weights(at_version_1, 3), "model.layers.99.mystery.weight": torch.zeros(4)}
     _refused(at_version_1, UnknownTensorError, weights, 2, ["model.layers.99.mystery.weight", "version 2"])
     _then_recovers(at_version_1, "unknown tensor")

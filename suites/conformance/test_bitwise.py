@@ -17,32 +17,51 @@ pytestmark = pytest.mark.requires("arbitrary_tensors")
 
 @given(data=st.data())
 def test_full_update_is_bitwise_for_any_dtype_and_shape(
-    deployment, backend, capabilities, data, request, example_counter
+    weightsync_deployment,
+    weightsync_backend,
+    weightsync_capabilities,
+    data,
+    request,
+    weightsync_example_counter,
 ):
     """Random bit patterns (NaN payloads, -0.0, inf), 0-d, empty, odd and non-contiguous tensors."""
-    example_counter()
-    weights = data.draw(weight_sets(dtypes=capabilities.dtypes), label="weights")
-    deployment.reset(spec_of(weights))
-    push_and_check(deployment, 1, weights, f"{backend.name} full update", rerun_hint(request))
+    weightsync_example_counter()
+    weights = data.draw(weight_sets(dtypes=weightsync_capabilities.dtypes), label="weights")
+    weightsync_deployment.reset(spec_of(weights))
+    push_and_check(
+        weightsync_deployment, 1, weights, f"{weightsync_backend.name} full update", rerun_hint(request)
+    )
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_name)
-def test_special_values_survive(deployment, backend, capabilities, dtype, request):
+def test_special_values_survive(
+    weightsync_deployment, weightsync_backend, weightsync_capabilities, dtype, request
+):
     """NaNs with distinct payloads, both zeros and both infinities arrive with the same bits."""
-    if dtype not in capabilities.dtypes:
-        pytest.skip(f"NOT_SUPPORTED: backend {backend.name!r} (with this engine) does not claim {dtype}")
+    if dtype not in weightsync_capabilities.dtypes:
+        pytest.skip(
+            f"NOT_SUPPORTED: backend {weightsync_backend.name!r} (with this engine) does not claim {dtype}"
+        )
     weights = {"special.weight": special_values(dtype), "special.strided": special_values(dtype)[::2]}
-    deployment.reset(spec_of(weights))
+    weightsync_deployment.reset(spec_of(weights))
     push_and_check(
-        deployment, 7, weights, f"{backend.name} special values {dtype_name(dtype)}", rerun_hint(request)
+        weightsync_deployment,
+        7,
+        weights,
+        f"{weightsync_backend.name} special values {dtype_name(dtype)}",
+        rerun_hint(request),
     )
 
 
 @given(sizes=st.lists(st.integers(0, 5000), min_size=2, max_size=12))
-def test_many_tensors_across_buckets(deployment, backend, sizes, request, example_counter):
+def test_many_tensors_across_buckets(
+    weightsync_deployment, weightsync_backend, sizes, request, weightsync_example_counter
+):
     """Tensor counts and sizes that straddle bucket and shard boundaries arrive intact."""
-    example_counter()
+    weightsync_example_counter()
     gen = torch.Generator().manual_seed(len(sizes))
     weights = {f"layer.{i}.w": torch.randn(n, generator=gen).to(torch.bfloat16) for i, n in enumerate(sizes)}
-    deployment.reset(spec_of(weights))
-    push_and_check(deployment, 3, weights, f"{backend.name} bucketed update", rerun_hint(request))
+    weightsync_deployment.reset(spec_of(weights))
+    push_and_check(
+        weightsync_deployment, 3, weights, f"{weightsync_backend.name} bucketed update", rerun_hint(request)
+    )

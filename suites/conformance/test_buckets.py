@@ -46,16 +46,22 @@ def _flip_bits(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
 )  # 3+ buckets by design; a fifth of the profile's examples (each reloads engines)
 @given(data=st.data())
 def test_payload_spanning_many_buckets_arrives_bitwise(
-    deployment_with_buckets, backend, capabilities, bucket_bytes, data, request, example_counter
+    weightsync_deployment_with_buckets,
+    weightsync_backend,
+    weightsync_capabilities,
+    bucket_bytes,
+    data,
+    request,
+    weightsync_example_counter,
 ):
-    example_counter()
-    weights = data.draw(bucket_crossing_sets(bucket_bytes, capabilities.dtypes), label="weights")
+    weightsync_example_counter()
+    weights = data.draw(bucket_crossing_sets(bucket_bytes, weightsync_capabilities.dtypes), label="weights")
     plan = Manifest.build(1, weights, bucket_bytes)  # the reference plan: what the payload was drawn to do
     assert len(plan.bucket_sizes) >= 3, f"the payload must span buckets: {plan.bucket_sizes}"
     assert max(plan.bucket_sizes) > bucket_bytes, "one tensor at least is larger than a bucket"
-    dep = deployment_with_buckets(bucket_bytes)
+    dep = weightsync_deployment_with_buckets(bucket_bytes)
     dep.reset(spec_of(weights))
-    context = f"{backend.name} with {bucket_bytes}-byte buckets ({len(plan.bucket_sizes)} buckets, {len(weights)} tensors)"
+    context = f"{weightsync_backend.name} with {bucket_bytes}-byte buckets ({len(plan.bucket_sizes)} buckets, {len(weights)} tensors)"
     push_and_check(dep, 1, weights, context, rerun_hint(request))
     push_and_check(
         dep,

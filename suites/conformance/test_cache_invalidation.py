@@ -33,20 +33,20 @@ def _greedy(engine, rid, n=12):
     return c
 
 
-def test_generation_after_update_equals_a_fresh_engine(deployment):
-    engine = deployment.handles[0].engine
+def test_generation_after_update_equals_a_fresh_engine(weightsync_deployment):
+    engine = weightsync_deployment.handles[0].engine
     spec = engine.weight_spec()
     _greedy(engine, "warm-1")
     _greedy(engine, "warm-2")  # now the prompt's prefix is cached under version 0
     new = random_like_spec(spec, seed=42)
-    push(deployment, 1, new)
-    served = [_greedy(h.engine, f"after-{i}") for i, h in enumerate(deployment.handles)]
+    push(weightsync_deployment, 1, new)
+    served = [_greedy(h.engine, f"after-{i}") for i, h in enumerate(weightsync_deployment.handles)]
 
     # The same weights into fresh engines, nothing cached. The deployment's own engines are replaced
     # rather than a second engine started beside them (two in-process vLLMs cannot share a process).
-    deployment.reset(None)
-    push(deployment, 1, new)
-    want = _greedy(deployment.handles[0].engine, "fresh")
+    weightsync_deployment.reset(None)
+    push(weightsync_deployment, 1, new)
+    want = _greedy(weightsync_deployment.handles[0].engine, "fresh")
     for i, got in enumerate(served):
         assert got.token_ids == want.token_ids, (
             f"engine {i} after update: {got.token_ids}\nfresh engine with the same weights: {want.token_ids}\n"
@@ -55,19 +55,21 @@ def test_generation_after_update_equals_a_fresh_engine(deployment):
         assert got.versions_seen == {1}, f"engine {i}: tokens from versions {sorted(got.versions_seen)}"
 
 
-def test_old_and_new_versions_produce_different_output(deployment):
+def test_old_and_new_versions_produce_different_output(weightsync_deployment):
     """Guards the test above: if both versions gave the same tokens it could not catch anything."""
-    engine = deployment.handles[0].engine
+    engine = weightsync_deployment.handles[0].engine
     before = _greedy(engine, "v0")
-    push(deployment, 1, random_like_spec(engine.weight_spec(), seed=42))
+    push(weightsync_deployment, 1, random_like_spec(engine.weight_spec(), seed=42))
     after = _greedy(engine, "v1")
     assert before.token_ids != after.token_ids, "version 0 and 1 produce identical tokens; pick another seed"
 
 
 @pytest.mark.requires("pause_modes")
 @pytest.mark.parametrize("mode", ["wait", "keep"])
-def test_new_requests_after_an_update_under_traffic_compute_with_the_new_weights(deployment, mode, request):
-    engine = deployment.handles[0].engine
+def test_new_requests_after_an_update_under_traffic_compute_with_the_new_weights(
+    weightsync_deployment, mode, request
+):
+    engine = weightsync_deployment.handles[0].engine
     _greedy(engine, "warm")  # the prompt's prefix cached under version 0
     if mode == "keep":
         streams, frozen, _ = kept_in_flight(engine, prompt=PROMPT)
@@ -76,7 +78,7 @@ def test_new_requests_after_an_update_under_traffic_compute_with_the_new_weights
         engine.pause("wait")
         frozen = [s.token_count for s in streams]
     new = random_like_spec(engine.weight_spec(), seed=42)
-    push(deployment, 1, new)
+    push(weightsync_deployment, 1, new)
     engine.resume()
     first = streams[0].result(timeout=120)
     for s in streams[1:]:

@@ -31,28 +31,28 @@ def _generate(engine, tag, n=16):
     return engine.generate([GenerationRequest(f"{tag}-{i}", p, n) for i, p in enumerate(PROMPTS)])
 
 
-def test_served_tokens_equal_an_independent_forward_of_the_pushed_checkpoint(deployment, request):
-    new = random_like_spec(deployment.handles[0].engine.weight_spec(), seed=11)
-    push(deployment, 1, new)
-    fwd = independent_forward(deployment.handles[0].engine, new)
-    for i, h in enumerate(deployment.handles):
+def test_served_tokens_equal_an_independent_forward_of_the_pushed_checkpoint(weightsync_deployment, request):
+    new = random_like_spec(weightsync_deployment.handles[0].engine.weight_spec(), seed=11)
+    push(weightsync_deployment, 1, new)
+    fwd = independent_forward(weightsync_deployment.handles[0].engine, new)
+    for i, h in enumerate(weightsync_deployment.handles):
         for prompt, c in zip(PROMPTS, _generate(h.engine, f"v1-e{i}")):
             assert_computes_like(fwd, c, prompt, f"engine {i} at version 1", rerun_hint(request))
 
 
-def test_tied_head_computes_with_the_pushed_embedding(tied_deployment, request):
+def test_tied_head_computes_with_the_pushed_embedding(weightsync_tied_deployment, request):
     """A tied model has no lm_head in its checkpoint: the head is the embedding. Pushed whole, then the
     embedding alone: both times the served logits must follow the embedding pushed."""
-    engine = tied_deployment.handles[0].engine
+    engine = weightsync_tied_deployment.handles[0].engine
     spec = engine.weight_spec()
     v1 = random_like_spec(spec, seed=21)
-    push(tied_deployment, 1, v1)
+    push(weightsync_tied_deployment, 1, v1)
     for prompt, c in zip(PROMPTS, _generate(engine, "tied-v1")):
         assert_computes_like(
             independent_forward(engine, v1), c, prompt, "tied model, version 1", rerun_hint(request)
         )
     embed = {"model.embed_tokens.weight": random_like_spec(spec, seed=22)["model.embed_tokens.weight"]}
-    push(tied_deployment, 2, embed)
+    push(weightsync_tied_deployment, 2, embed)
     fwd = independent_forward(engine, {**v1, **embed})
     for prompt, c in zip(PROMPTS, _generate(engine, "tied-v2")):
         assert_computes_like(
@@ -61,15 +61,17 @@ def test_tied_head_computes_with_the_pushed_embedding(tied_deployment, request):
 
 
 @pytest.mark.requires("pause_modes")
-def test_kept_requests_continue_as_an_independent_forward_through_the_same_pause(deployment, request):
+def test_kept_requests_continue_as_an_independent_forward_through_the_same_pause(
+    weightsync_deployment, request
+):
     """pause(keep), a commit, resume: tokens before the pause come from the old checkpoint; after it,
     from the new one, attending to the KV the old one computed or recomputing it (both allowed; the
     boundary is where the caller saw the pause land, not the engine's own version stamps)."""
-    engine = deployment.handles[0].engine
+    engine = weightsync_deployment.handles[0].engine
     old = independent_forward(engine, engine.read_weights())
     streams, frozen, _ = kept_in_flight(engine)
     new_weights = random_like_spec(engine.weight_spec(), seed=31)
-    push(deployment, 1, new_weights)
+    push(weightsync_deployment, 1, new_weights)
     engine.resume()
     new = independent_forward(engine, new_weights)
     for s, at_pause in zip(streams, frozen):
@@ -84,16 +86,16 @@ def test_kept_requests_continue_as_an_independent_forward_through_the_same_pause
 
 
 @pytest.mark.requires("pause_modes")
-def test_waited_and_queued_requests_compute_with_the_version_they_ran_on(deployment, request):
+def test_waited_and_queued_requests_compute_with_the_version_they_ran_on(weightsync_deployment, request):
     """pause(wait): requests in flight finish on the old checkpoint; those sent while paused run after
     resume on the new one; each scored against its version's independent forward."""
-    engine = deployment.handles[0].engine
+    engine = weightsync_deployment.handles[0].engine
     old = independent_forward(engine, engine.read_weights())
     streams = requests_in_flight(engine, tokens=1)
     engine.pause("wait")
     queued = [engine.submit(GenerationRequest(f"queued-{i}", p, 16)) for i, p in enumerate(PROMPTS)]
     new_weights = random_like_spec(engine.weight_spec(), seed=41)
-    push(deployment, 1, new_weights)
+    push(weightsync_deployment, 1, new_weights)
     engine.resume()
     new = independent_forward(engine, new_weights)
     for s in streams:

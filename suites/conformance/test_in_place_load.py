@@ -31,8 +31,10 @@ def _halves(weights):
     return {n: weights[n] for n in names[::2]}, {n: weights[n] for n in names[1::2]}
 
 
-def test_rollback_restores_the_committed_version_and_no_request_runs_meanwhile(deployment, request):
-    engine = deployment.handles[0].engine
+def test_rollback_restores_the_committed_version_and_no_request_runs_meanwhile(
+    weightsync_deployment, request
+):
+    engine = weightsync_deployment.handles[0].engine
     before = engine.read_weights()
     (served_before,) = engine.generate([GenerationRequest("before", PROMPT, 8)])
     load = _open_load(engine, 1)
@@ -57,8 +59,8 @@ def test_rollback_restores_the_committed_version_and_no_request_runs_meanwhile(d
     )
 
 
-def test_commit_installs_the_version_and_invalidates_caches(deployment, request):
-    engine = deployment.handles[0].engine
+def test_commit_installs_the_version_and_invalidates_caches(weightsync_deployment, request):
+    engine = weightsync_deployment.handles[0].engine
     engine.generate([GenerationRequest("warm", PROMPT, 4)])  # the prompt's prefix cached under version 0
     new = random_like_spec(engine.weight_spec(), seed=52)
     load = _open_load(engine, 1)
@@ -77,8 +79,8 @@ def test_commit_installs_the_version_and_invalidates_caches(deployment, request)
     )
 
 
-def test_bad_writes_are_refused_before_anything_of_them_lands(deployment, request):
-    engine = deployment.handles[0].engine
+def test_bad_writes_are_refused_before_anything_of_them_lands(weightsync_deployment, request):
+    engine = weightsync_deployment.handles[0].engine
     before = engine.read_weights()
     spec = engine.weight_spec()
     load = _open_load(engine, 1)

@@ -32,15 +32,15 @@ def _mapped_segments(pid: int) -> list[str]:
     return [line for line in maps.splitlines() if "/dev/shm/wsync-" in line]
 
 
-def test_no_segment_fd_or_mapping_outlives_its_sync(deployment):
-    trainer = ReferenceTrainer(deployment.handles[0].engine.weight_spec(), seed=21)
-    push(deployment, *trainer.step())
+def test_no_segment_fd_or_mapping_outlives_its_sync(weightsync_deployment):
+    trainer = ReferenceTrainer(weightsync_deployment.handles[0].engine.weight_spec(), seed=21)
+    push(weightsync_deployment, *trainer.step())
     segments, fds = own_segments(), _open_fds()  # this trainer's: another job's segments are not this test's
     for _ in range(60):
-        push(deployment, *trainer.step())
+        push(weightsync_deployment, *trainer.step())
     assert own_segments() == segments, f"segments left behind: {sorted(set(own_segments()) - set(segments))}"
     assert _open_fds() <= fds, f"trainer process holds {_open_fds()} fds after 60 syncs, {fds} before"
-    for rank in getattr(deployment, "ranks", []):
+    for rank in getattr(weightsync_deployment, "ranks", []):
         assert not _mapped_segments(rank.pid), f"rank {rank.rank} still maps: {_mapped_segments(rank.pid)}"
 
 
@@ -61,20 +61,22 @@ def _deliver_forged(deployment, forge):
     return errors
 
 
-def test_stale_handle_is_refused(deployment):
-    before = snapshot(deployment)
+def test_stale_handle_is_refused(weightsync_deployment):
+    before = snapshot(weightsync_deployment)
 
     def release_first(info):
-        deployment.sender.complete(False)  # the segments are gone before the engine maps them
+        weightsync_deployment.sender.complete(False)  # the segments are gone before the engine maps them
 
-    errors = _deliver_forged(deployment, release_first)
-    assert len(errors) == len(deployment.handles) and all("stale handle" in e for e in errors), errors
-    assert_unchanged(deployment, before, "after a stale handle")
+    errors = _deliver_forged(weightsync_deployment, release_first)
+    assert len(errors) == len(weightsync_deployment.handles) and all("stale handle" in e for e in errors), (
+        errors
+    )
+    assert_unchanged(weightsync_deployment, before, "after a stale handle")
 
 
 @pytest.mark.parametrize("how", ["token", "name"])
-def test_foreign_handle_is_refused(deployment, how):
-    before = snapshot(deployment)
+def test_foreign_handle_is_refused(weightsync_deployment, how):
+    before = snapshot(weightsync_deployment)
 
     def forge(info):
         part = _ipc_part(info)
@@ -87,6 +89,6 @@ def test_foreign_handle_is_refused(deployment, how):
                 else:
                     b["cuda"]["offset"] += 16
 
-    errors = _deliver_forged(deployment, forge)
-    assert len(errors) == len(deployment.handles) and all("foreign" in e for e in errors), errors
-    assert_unchanged(deployment, before, f"after a foreign handle ({how})")
+    errors = _deliver_forged(weightsync_deployment, forge)
+    assert len(errors) == len(weightsync_deployment.handles) and all("foreign" in e for e in errors), errors
+    assert_unchanged(weightsync_deployment, before, f"after a foreign handle ({how})")

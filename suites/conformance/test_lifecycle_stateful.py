@@ -244,10 +244,10 @@ def make_machine(deployment, counter):
     return LifecycleMachine
 
 
-def test_lifecycle_state_machine(deployment, example_counter):
+def test_lifecycle_state_machine(weightsync_deployment, weightsync_example_counter):
     from hypothesis import settings
 
-    machine = make_machine(deployment, example_counter)
+    machine = make_machine(weightsync_deployment, weightsync_example_counter)
     run_state_machine_as_test(machine, settings=settings(settings.default, stateful_step_count=30))
 
 

@@ -9,40 +9,48 @@ from harness.trainer import ReferenceTrainer
 from suites.conformance.helpers import assert_engines_hold, push_and_check, rerun_hint
 
 
-def test_full_model_update_is_bitwise(deployment, backend, request):
+def test_full_model_update_is_bitwise(weightsync_deployment, weightsync_backend, request):
     """Every tensor of the engine's own model (checkpoint names, fused groups whole) arrives exact."""
-    spec = deployment.handles[0].engine.weight_spec()
+    spec = weightsync_deployment.handles[0].engine.weight_spec()
     for version in (1, 2, 5):
         weights = random_like_spec(spec, seed=version)
         push_and_check(
-            deployment, version, weights, f"{backend.name} model version {version}", rerun_hint(request)
+            weightsync_deployment,
+            version,
+            weights,
+            f"{weightsync_backend.name} model version {version}",
+            rerun_hint(request),
         )
 
 
-def test_consecutive_trainer_versions_each_land(deployment, backend, request):
+def test_consecutive_trainer_versions_each_land(weightsync_deployment, weightsync_backend, request):
     """Versions from seeded AdamW steps (most entries unchanged between steps), each pushed in full."""
-    trainer = ReferenceTrainer(deployment.handles[0].engine.weight_spec(), seed=3)
+    trainer = ReferenceTrainer(weightsync_deployment.handles[0].engine.weight_spec(), seed=3)
     for _ in range(6):
         version, weights = trainer.step()
-        push(deployment, version, weights)
+        push(weightsync_deployment, version, weights)
         assert_engines_hold(
-            deployment, version, weights, f"{backend.name} step {version}", rerun_hint(request)
+            weightsync_deployment,
+            version,
+            weights,
+            f"{weightsync_backend.name} step {version}",
+            rerun_hint(request),
         )
 
 
-def test_partial_update_keeps_the_rest(deployment, backend, request):
+def test_partial_update_keeps_the_rest(weightsync_deployment, weightsync_backend, request):
     """Pushing a subset of names changes those and leaves every other tensor bit for bit."""
-    engine = deployment.handles[0].engine
+    engine = weightsync_deployment.handles[0].engine
     before = engine.read_weights()
     spec = engine.weight_spec()
     name = next(n for n in spec if n.endswith("norm.weight"))
     new = random_like_spec({name: spec[name]}, seed=9)
-    push(deployment, 1, new)
+    push(weightsync_deployment, 1, new)
     expected = {**before, **new}
-    for i, h in enumerate(deployment.handles):
+    for i, h in enumerate(weightsync_deployment.handles):
         assert_bitwise_equal(
             expected,
             h.engine.read_weights(),
-            f"{backend.name} partial update, engine {i}",
+            f"{weightsync_backend.name} partial update, engine {i}",
             rerun_hint(request),
         )

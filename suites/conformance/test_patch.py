@@ -56,37 +56,47 @@ def _mutate(t: torch.Tensor, fraction: float, data) -> torch.Tensor:
 
 @given(data=st.data(), fraction=st.sampled_from([0.0, 0.01, 0.1, 0.5, 0.9, 1.0]) | st.floats(0, 1))
 def test_patch_on_base_reproduces_the_next_version(
-    deployment, backend, capabilities, data, fraction, request, example_counter
+    weightsync_deployment,
+    weightsync_backend,
+    weightsync_capabilities,
+    data,
+    fraction,
+    request,
+    weightsync_example_counter,
 ):
-    example_counter()
-    base = data.draw(weight_sets(dtypes=capabilities.dtypes), label="base")
+    weightsync_example_counter()
+    base = data.draw(weight_sets(dtypes=weightsync_capabilities.dtypes), label="base")
     nxt = {n: _mutate(t, fraction, data) for n, t in base.items()}
-    deployment.reset(spec_of(base))
-    push(deployment, 1, base)
-    push(deployment, 2, nxt)
+    weightsync_deployment.reset(spec_of(base))
+    push(weightsync_deployment, 1, base)
+    push(weightsync_deployment, 2, nxt)
     assert_engines_hold(
-        deployment, 2, nxt, f"{backend.name}: base + patch at {fraction:.0%} changed", rerun_hint(request)
+        weightsync_deployment,
+        2,
+        nxt,
+        f"{weightsync_backend.name}: base + patch at {fraction:.0%} changed",
+        rerun_hint(request),
     )
 
 
-def test_patch_against_the_wrong_base_version_is_refused(deployment, backend):
-    trainer = _policy_trainer(deployment, 11)
-    push(deployment, *trainer.step())
-    before = snapshot(deployment)
+def test_patch_against_the_wrong_base_version_is_refused(weightsync_deployment, weightsync_backend):
+    trainer = _policy_trainer(weightsync_deployment, 11)
+    push(weightsync_deployment, *trainer.step())
+    before = snapshot(weightsync_deployment)
 
     def claim_other_base(info):
         info["delta"]["base_version"] = 0
         return info
 
     with pytest.raises(BaseMismatch, match="patch made against version 0"):
-        deliver_tampered(deployment, *trainer.step(), claim_other_base)
-    assert_unchanged(deployment, before, "after a patch for another base version")
+        deliver_tampered(weightsync_deployment, *trainer.step(), claim_other_base)
+    assert_unchanged(weightsync_deployment, before, "after a patch for another base version")
 
 
-def test_patch_against_a_different_base_tensor_is_refused(deployment, backend):
-    trainer = _policy_trainer(deployment, 12)
-    push(deployment, *trainer.step())
-    before = snapshot(deployment)
+def test_patch_against_a_different_base_tensor_is_refused(weightsync_deployment, weightsync_backend):
+    trainer = _policy_trainer(weightsync_deployment, 12)
+    push(weightsync_deployment, *trainer.step())
+    before = snapshot(weightsync_deployment)
 
     def claim_other_digest(info):
         name = next(n for n, e in info["delta"]["entries"].items() if e["mode"] == "sparse")
@@ -94,8 +104,8 @@ def test_patch_against_a_different_base_tensor_is_refused(deployment, backend):
         return info
 
     with pytest.raises(BaseMismatch, match="is not the patch's base"):
-        deliver_tampered(deployment, *trainer.step(), claim_other_digest)
-    assert_unchanged(deployment, before, "after a patch for another base tensor")
+        deliver_tampered(weightsync_deployment, *trainer.step(), claim_other_digest)
+    assert_unchanged(weightsync_deployment, before, "after a patch for another base tensor")
 
 
 def _replay(deployment, update_info, payload, relabel=None):
@@ -120,33 +130,39 @@ def _replay(deployment, update_info, payload, relabel=None):
         sender.transport.complete(False)
 
 
-def test_a_patch_applied_twice_is_refused(deployment, backend):
-    trainer = _policy_trainer(deployment, 13)
-    push(deployment, *trainer.step())
+def test_a_patch_applied_twice_is_refused(weightsync_deployment, weightsync_backend):
+    trainer = _policy_trainer(weightsync_deployment, 13)
+    push(weightsync_deployment, *trainer.step())
     version, weights = trainer.step()
-    captured_info = deployment.sender.prepare(version, weights)  # capture the exact patch v1 -> v2 ...
-    payload = deployment.sender.last_payload
-    deployment.sender.complete(False)
-    push(deployment, version, weights)  # ... then apply it for real
-    before = snapshot(deployment)
+    captured_info = weightsync_deployment.sender.prepare(
+        version, weights
+    )  # capture the exact patch v1 -> v2 ...
+    payload = weightsync_deployment.sender.last_payload
+    weightsync_deployment.sender.complete(False)
+    push(weightsync_deployment, version, weights)  # ... then apply it for real
+    before = snapshot(weightsync_deployment)
     with pytest.raises(VersionError, match="not newer"):
-        _replay(deployment, captured_info, payload)
+        _replay(weightsync_deployment, captured_info, payload)
     with pytest.raises(BaseMismatch):
-        _replay(deployment, captured_info, payload, relabel=version + 1)
-    assert_unchanged(deployment, before, "after replaying a patch")
+        _replay(weightsync_deployment, captured_info, payload, relabel=version + 1)
+    assert_unchanged(weightsync_deployment, before, "after replaying a patch")
 
 
 @pytest.mark.single_receiver
-def test_fifty_trainer_steps_by_delta_equal_full_syncs(deployment, backend, request):
+def test_fifty_trainer_steps_by_delta_equal_full_syncs(weightsync_deployment, weightsync_backend, request):
     """Each version the trainer makes, sent as a patch, lands exactly as a full sync would put it."""
-    trainer = _policy_trainer(deployment, 14)
+    trainer = _policy_trainer(weightsync_deployment, 14)
     for _ in range(52):
         version, weights = trainer.step()
-        push(deployment, version, weights)
+        push(weightsync_deployment, version, weights)
         assert_engines_hold(
-            deployment, version, weights, f"{backend.name} trainer step {version}", rerun_hint(request)
+            weightsync_deployment,
+            version,
+            weights,
+            f"{weightsync_backend.name} trainer step {version}",
+            rerun_hint(request),
         )
-    history = deployment.sender.history[-51:]
+    history = weightsync_deployment.sender.history[-51:]
     sparse = sum(s.sparse_tensors for s in history)
     assert sparse == len(POLICY_SPEC) * len(history), (
         f"{sparse} of {len(POLICY_SPEC) * len(history)} tensor updates went as patches; at the trainer's "
@@ -192,27 +208,33 @@ def _special_change(base: torch.Tensor, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["signed-zero", "nan-payload", "subnormal"])
 @pytest.mark.parametrize("dtype_name", list(SPECIAL_DTYPES))
 def test_a_patch_carries_special_values_bit_for_bit(
-    deployment, backend, capabilities, kind, dtype_name, request
+    weightsync_deployment, weightsync_backend, weightsync_capabilities, kind, dtype_name, request
 ):
     dtype = SPECIAL_DTYPES[dtype_name]
-    if dtype not in capabilities.dtypes:
-        pytest.skip(f"NOT_SUPPORTED: {backend.name} does not claim {dtype}")
+    if dtype not in weightsync_capabilities.dtypes:
+        pytest.skip(f"NOT_SUPPORTED: {weightsync_backend.name} does not claim {dtype}")
     base = {"special.weight": _special_base(dtype), "other.weight": _special_base(dtype)[:1000].clone()}
     nxt = {**base, "special.weight": _special_change(base["special.weight"], kind)}
-    deployment.reset(spec_of(base))
-    push(deployment, 1, base)  # dense: the first push after a reset
-    push(deployment, 2, nxt)  # the patch: only the special values differ
-    history = getattr(deployment.sender, "history", None)
+    weightsync_deployment.reset(spec_of(base))
+    push(weightsync_deployment, 1, base)  # dense: the first push after a reset
+    push(weightsync_deployment, 2, nxt)  # the patch: only the special values differ
+    history = getattr(weightsync_deployment.sender, "history", None)
     if history:  # the built-in delta says how it moved the version: it must have been a patch
-        assert history[-1].sparse_tensors >= 1, f"{backend.name}: v1 -> v2 went dense: {history[-1]}"
+        assert history[-1].sparse_tensors >= 1, (
+            f"{weightsync_backend.name}: v1 -> v2 went dense: {history[-1]}"
+        )
     assert_engines_hold(
-        deployment,
+        weightsync_deployment,
         2,
         nxt,
-        f"{backend.name}: a patch changing only {kind} ({dtype_name})",
+        f"{weightsync_backend.name}: a patch changing only {kind} ({dtype_name})",
         rerun_hint(request),
     )
-    push(deployment, 3, base)  # and back again
+    push(weightsync_deployment, 3, base)  # and back again
     assert_engines_hold(
-        deployment, 3, base, f"{backend.name}: the patch undoing {kind} ({dtype_name})", rerun_hint(request)
+        weightsync_deployment,
+        3,
+        base,
+        f"{weightsync_backend.name}: the patch undoing {kind} ({dtype_name})",
+        rerun_hint(request),
     )

@@ -33,8 +33,8 @@ def _versions(c):
     return sorted(c.versions_seen)
 
 
-def test_abort_ends_in_flight_with_partial_output(deployment, backend):
-    engine = deployment.handles[0].engine
+def test_abort_ends_in_flight_with_partial_output(weightsync_deployment, weightsync_backend):
+    engine = weightsync_deployment.handles[0].engine
     streams = requests_in_flight(engine, max_tokens=ABORTED_LEN)
     engine.pause("abort")
     assert engine.is_paused
@@ -48,7 +48,7 @@ def test_abort_ends_in_flight_with_partial_output(deployment, backend):
         )
         assert _versions(c) == [0], f"{c.request_id}: aborted request saw versions {_versions(c)}"
     queued = engine.submit(pause_request(8))  # arrives while paused: must wait for resume
-    _new_version(deployment, 1)
+    _new_version(weightsync_deployment, 1)
     assert not queued.done, "a request sent while paused finished before resume"
     engine.resume()
     after = queued.result(timeout=60)
@@ -57,12 +57,12 @@ def test_abort_ends_in_flight_with_partial_output(deployment, backend):
     )
 
 
-def test_wait_lets_in_flight_finish_on_the_old_version(deployment, backend):
-    engine = deployment.handles[0].engine
+def test_wait_lets_in_flight_finish_on_the_old_version(weightsync_deployment, weightsync_backend):
+    engine = weightsync_deployment.handles[0].engine
     streams = requests_in_flight(engine, tokens=1)
     engine.pause("wait")  # returns only once the in-flight requests are done
     assert all(s.done for s in streams), "pause(wait) returned while requests were still running"
-    _new_version(deployment, 1)
+    _new_version(weightsync_deployment, 1)
     engine.resume()
     for c in (s.result(timeout=5) for s in streams):
         assert c.finish_reason == "length" and len(c.token_ids) == LONG, (
@@ -71,10 +71,10 @@ def test_wait_lets_in_flight_finish_on_the_old_version(deployment, backend):
         assert _versions(c) == [0], f"{c.request_id}: spans versions {_versions(c)} under pause(wait)"
 
 
-def test_keep_freezes_and_continues_on_the_new_version(deployment, backend):
-    engine = deployment.handles[0].engine
+def test_keep_freezes_and_continues_on_the_new_version(weightsync_deployment, weightsync_backend):
+    engine = weightsync_deployment.handles[0].engine
     streams, frozen, max_tokens = kept_in_flight(engine)
-    _new_version(deployment, 1)
+    _new_version(weightsync_deployment, 1)
     engine.resume()
     for s, at_pause in zip(streams, frozen):
         c = s.result(timeout=120)
@@ -92,14 +92,14 @@ def test_keep_freezes_and_continues_on_the_new_version(deployment, backend):
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
-def test_nothing_is_lost(deployment, mode):
+def test_nothing_is_lost(weightsync_deployment, mode):
     """sent = completed + aborted, counted, across a pause, an update and a resume."""
-    engine = deployment.handles[0].engine
+    engine = weightsync_deployment.handles[0].engine
     sent = [engine.submit(pause_request(LONG if i % 2 else 6)) for i in range(6)]
     sent[0].wait_for_tokens(1, timeout=60)
     engine.pause(mode)
     sent += [engine.submit(pause_request(6)) for _ in range(3)]
-    _new_version(deployment, 1)
+    _new_version(weightsync_deployment, 1)
     engine.resume()
     results = [s.result(timeout=60) for s in sent]
     completed = sum(c.finish_reason == "length" for c in results)
@@ -115,8 +115,8 @@ def test_nothing_is_lost(deployment, mode):
         assert not mixed, f"pause({mode}): requests {mixed} mix two versions"
 
 
-def test_abort_by_id_ends_only_that_request(deployment):
-    engine = deployment.handles[0].engine
+def test_abort_by_id_ends_only_that_request(weightsync_deployment):
+    engine = weightsync_deployment.handles[0].engine
     try:
         victim, bystander = requests_in_flight(engine, n=2, max_tokens=ABORTED_LEN)
         assert engine.abort_requests([victim.request.request_id, "no-such-request"]) == 1
@@ -135,11 +135,11 @@ def test_abort_by_id_ends_only_that_request(deployment):
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
-def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
+def test_pause_reaches_requests_queued_behind_the_batch(weightsync_deployment, mode):
     """More requests than the engine runs at once: the queued, never-scheduled ones are in flight too.
     abort ends every one (partial output, none for the queued); wait finishes every one on the old
     version before it returns; keep loses none, each old-then-new."""
-    engine = deployment.handles[0].engine
+    engine = weightsync_deployment.handles[0].engine
     limit = engine.max_running_requests
     if limit is None:
         pytest.skip(f"{NOT_SUPPORTED}: the engine does not say how many requests it runs at once")
@@ -168,7 +168,7 @@ def test_pause_reaches_requests_queued_behind_the_batch(deployment, mode):
         assert not unfinished, (
             f"pause(wait) returned with {len(unfinished)} of {len(streams)} requests unfinished"
         )
-    _new_version(deployment, 1)
+    _new_version(weightsync_deployment, 1)
     engine.resume()
     results = [s.result(timeout=120) for s in streams]
     outcome = [(c.finish_reason, len(c.token_ids)) for c in results]

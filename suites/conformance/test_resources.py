@@ -49,16 +49,16 @@ def _usage(deployment, workdir: Path) -> dict[str, int]:
     return usage
 
 
-def test_nothing_grows_with_the_number_of_syncs(deployment, deployment_pool, ws_target):
+def test_nothing_grows_with_the_number_of_syncs(weightsync_deployment, weightsync_deployment_pool, ws_target):
     name, n = ws_target
-    workdir = deployment_pool.workdir_of(name, n)
-    trainer = ReferenceTrainer(deployment.handles[0].engine.weight_spec(), seed=8)
+    workdir = weightsync_deployment_pool.workdir_of(name, n)
+    trainer = ReferenceTrainer(weightsync_deployment.handles[0].engine.weight_spec(), seed=8)
     for _ in range(WARMUP):
-        push(deployment, *trainer.step())
-    before = _usage(deployment, workdir)
+        push(weightsync_deployment, *trainer.step())
+    before = _usage(weightsync_deployment, workdir)
     for _ in range(SYNCS):
-        push(deployment, *trainer.step())
-    after = _usage(deployment, workdir)
+        push(weightsync_deployment, *trainer.step())
+    after = _usage(weightsync_deployment, workdir)
     grown = {}
     for key, was in before.items():
         now = after[key]

@@ -36,8 +36,10 @@ def _deploy(backend, n, tmp_path, engine=None):
     return dep
 
 
-def test_rank_killed_between_syncs_is_restarted_by_the_next_push(backend, n_receivers, tmp_path):
-    with _deploy(backend, n_receivers, tmp_path) as dep:
+def test_rank_killed_between_syncs_is_restarted_by_the_next_push(
+    weightsync_backend, weightsync_n_receivers, tmp_path
+):
+    with _deploy(weightsync_backend, weightsync_n_receivers, tmp_path) as dep:
         push(dep, 1, _weights(dep, 1))
         victim = dep.processes()[-1]
         os.kill(victim.pid, signal.SIGKILL)
@@ -51,9 +53,12 @@ def test_rank_killed_between_syncs_is_restarted_by_the_next_push(backend, n_rece
             )
 
 
-def test_hung_rank_is_killed_with_its_stacks_dumped(backend, n_receivers, tmp_path):
+def test_hung_rank_is_killed_with_its_stacks_dumped(weightsync_backend, weightsync_n_receivers, tmp_path):
     with _deploy(
-        backend, n_receivers, tmp_path, engine="suites.conformance.stalling:make_stalling_engine"
+        weightsync_backend,
+        weightsync_n_receivers,
+        tmp_path,
+        engine="suites.conformance.stalling:make_stalling_engine",
     ) as dep:
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:

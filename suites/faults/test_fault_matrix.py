@@ -28,7 +28,7 @@ from harness.faults.cell import run_cell
 from harness.faults.injectors import FAULTS
 from harness.faults.trainer_kill import KIND as TRAINER_KILL
 from harness.faults.trainer_kill import run_trainer_kill_cell
-from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN
+from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN, outcomes_of
 from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.faults]
@@ -86,12 +86,12 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("drawn_cell", cells, ids=[f"{b}-{k}" for b, k in cells])
 
 
-def test_fault_cell(fault_cell, selection, tmp_path, request):
+def test_fault_cell(fault_cell, weightsync_selection, tmp_path, request):
     backend_name, kind, seed = fault_cell
-    _run_and_judge(backend_name, kind, seed, selection, tmp_path, request)
+    _run_and_judge(backend_name, kind, seed, weightsync_selection, tmp_path, request)
 
 
-def test_fault_cell_drawn(drawn_cell, selection, tmp_path, request):
+def test_fault_cell_drawn(drawn_cell, weightsync_selection, tmp_path, request):
     """The thorough profile's cells: hypothesis draws the seed (and so the fault point)."""
     if not _thorough():
         pytest.skip("seeds drawn by hypothesis run under --hypothesis-profile=thorough")
@@ -105,7 +105,9 @@ def test_fault_cell_drawn(drawn_cell, selection, tmp_path, request):
     )
     @given(seed=st.integers(0, 2**31 - 1))
     def cell(seed):
-        _run_and_judge(backend_name, kind, seed, selection, Path(tempfile.mkdtemp(dir=tmp_path)), request)
+        _run_and_judge(
+            backend_name, kind, seed, weightsync_selection, Path(tempfile.mkdtemp(dir=tmp_path)), request
+        )
 
     cell()
 
@@ -130,7 +132,7 @@ def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request):
             timeout_s=timeout_s,
             caps=backend.capabilities.restricted_by(selection.engine_caps),
         )
-    outcome = request.config._weightsync_outcomes.setdefault(request.node.nodeid, {})
+    outcome = outcomes_of(request.config).setdefault(request.node.nodeid, {})
     if (
         outcome.get("fault_cell", {}).get("verdict", "ok") == "ok"
     ):  # of several draws the report keeps the worst

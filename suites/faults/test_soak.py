@@ -20,18 +20,18 @@ pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.multiproc]
 
 
 @pytest.mark.parametrize("backend_name", SOAK_BACKENDS)
-def test_soak_with_a_fault_every_20_syncs(backend_name, selection, tmp_path, request):
-    if backend_name not in selection.backends:
+def test_soak_with_a_fault_every_20_syncs(backend_name, weightsync_selection, tmp_path, request):
+    if backend_name not in weightsync_selection.backends:
         pytest.skip(f"{backend_name} is not selected (--weightsync-backend)")
     syncs = int(os.environ.get("WEIGHTSYNC_SOAK_SYNCS", "1000"))
     report = run_soak(
-        selection.backends[backend_name],
+        weightsync_selection.backends[backend_name],
         backend_name,
         tmp_path,
         syncs=syncs,
         fault_every=20,
-        engine=selection.engine,
-        caps=selection.capabilities(backend_name),
+        engine=weightsync_selection.engine,
+        caps=weightsync_selection.capabilities(backend_name),
     )
     out = Path(request.config.getoption("--weightsync-soak-out") or tmp_path) / f"soak-{backend_name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,8 +79,10 @@ def _run_again(backend, size, receivers, tmp_path, floor, rounds=REPEATS):
         return bench.row()
 
 
-def test_sync_throughput_against_its_ceiling(benchmark, selection, path_name, tmp_path, pytestconfig):
-    backend = selection.backends[path_name]
+def test_sync_throughput_against_its_ceiling(
+    benchmark, weightsync_selection, path_name, tmp_path, pytestconfig
+):
+    backend = weightsync_selection.backends[path_name]
     size = pytestconfig.getoption("--weightsync-bench-mib") << 20
     floor = floor_for(backend.name, size, floors_of(pytestconfig))
     rows = [_run(benchmark, backend, size, 1, tmp_path, floor)]
@@ -92,9 +94,11 @@ def test_sync_throughput_against_its_ceiling(benchmark, selection, path_name, tm
 @pytest.mark.slow
 @pytest.mark.parametrize("size_mib", [16, 64, 256])
 @pytest.mark.parametrize("receivers", [1, 2, 3])
-def test_sync_scaling(benchmark, selection, path_name, size_mib, receivers, tmp_path, pytestconfig):
+def test_sync_scaling(
+    benchmark, weightsync_selection, path_name, size_mib, receivers, tmp_path, pytestconfig
+):
     """The scaling table: time against payload size and against receivers (broadcast's should stay flat)."""
-    backend = selection.backends[path_name]
+    backend = weightsync_selection.backends[path_name]
     if receivers > 1 and not backend.capabilities.multi_receiver:
         pytest.skip(f"backend {path_name!r} takes one receiver")
     size = size_mib << 20
