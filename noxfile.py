@@ -51,7 +51,7 @@ def meta(session: nox.Session) -> None:
 def thorough(session: nox.Session) -> None:
     """Hypothesis 'thorough' profile and the slow tier."""
     _install(session)
-    session.run("pytest", "-m", "not vllm", *session.posargs, env={"HYPOTHESIS_PROFILE": "thorough"})
+    session.run("pytest", "-m", "not vllm", "--weightsync-hypothesis-profile=thorough", *session.posargs)
 
 
 @nox.session(python="3.11")
