@@ -14,6 +14,8 @@ transport's `raw_vllm_reload` hook hands verified tensors to vLLM's layerwise re
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 
 import pytest
 
@@ -139,4 +141,83 @@ def test_tied_lm_head_follows_the_embedding_through_vllms_reload(inproc_tied, tm
     assert follows, (
         f"{engine.describe()}: lm_head computes with a matrix {(head - part[embed]).abs().max().item():.3g} away "
         f"from the new tied embedding\nrerun: {rerun(request)}"
+    )
+
+
+KEEP_CLEARS_CACHE = (
+    "vLLM 0.32: /pause?mode=keep clears the prefix cache; the route's docstring says clear_cache is ignored "
+    "when mode=keep, yet its default (true) is honoured, so every kept pause throws the warmed blocks away"
+)
+SLEEP_FREES_NOTHING = (
+    "vLLM 0.32 on CPU: /sleep (level 1: offload the weights, discard the KV cache) frees no memory; the "
+    "server's resident set stays where it was"
+)
+PROMPT_300 = [1] + [(11 * i) % 500 + 3 for i in range(299)]  # 300 tokens: two whole 128-token KV blocks
+
+
+def _prefix_cache_hits(engine) -> float:
+    """vLLM's own counter of prompt tokens served from the prefix cache (Prometheus, summed over engines)."""
+    total, seen = 0.0, False
+    for line in engine.call("GET", "/metrics").text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            total, seen = total + float(line.rsplit(" ", 1)[1]), True
+    if not seen:  # not the defect under test: the probe itself is gone
+        raise RuntimeError("the server's /metrics has no vllm:prefix_cache_hits_total")
+    return total
+
+
+def _hits_for(deployment, engine, prompt) -> float:
+    before = _prefix_cache_hits(engine)
+    greedy(deployment, [prompt], 1)
+    return _prefix_cache_hits(engine) - before
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=KEEP_CLEARS_CACHE)
+def test_pause_keep_leaves_the_prefix_cache_alone(server_llama, request):
+    engine = engine_of(server_llama)
+    engine.reset_prefix_cache()
+    greedy(server_llama, [PROMPT_300], 1)  # fills the prefix cache
+    warm = _hits_for(server_llama, engine, PROMPT_300)
+    if warm < 256:  # the baseline, not the defect: without it the test shows nothing
+        raise RuntimeError(f"a repeated 300-token prompt hit {warm} cached tokens (expected >= 256)")
+    engine.call("POST", "/pause", params={"mode": "keep"})  # the route's defaults, as its docstring reads
+    engine.resume()
+    after = _hits_for(server_llama, engine, PROMPT_300)
+    assert after >= warm, (
+        f"{engine.describe()}: the prompt hit {warm:.0f} cached tokens before /pause?mode=keep + /resume and "
+        f"{after:.0f} after: keep cleared the prefix cache\nrerun: {rerun(request)}"
+    )
+
+
+def _resident_bytes(pgid: int) -> int:
+    """Resident set of every process in the server's process group (API server and engine core)."""
+    total = 0
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # stat field 5, pgrp
+                total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # stat field 24, rss in pages
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we read
+    return total
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=SLEEP_FREES_NOTHING)
+def test_sleep_frees_the_kv_cache(server_llama, request):
+    engine = engine_of(server_llama)
+    pgid = engine.server.proc.pid  # start_new_session: the server leads its own group
+    cmd = engine.server.cmd
+    kv = int(cmd[cmd.index("--kv-cache-memory-bytes") + 1])
+    before = _resident_bytes(pgid)
+    engine.call("POST", "/sleep", params={"level": 1})
+    try:
+        asleep = _resident_bytes(pgid)
+    finally:
+        engine.call("POST", "/wake_up")
+    assert not engine.call("GET", "/is_sleeping").json()["is_sleeping"]
+    greedy(server_llama, [PROMPT_300[:20]], 2)  # it serves again
+    freed = before - asleep
+    assert freed >= kv // 2, (
+        f"{engine.describe()}: /sleep?level=1 freed {freed / 2**20:.1f} MiB of a {before / 2**20:.0f} MiB resident "
+        f"set; its KV cache alone is {kv / 2**20:.0f} MiB\nrerun: {rerun(request)}"
     )
