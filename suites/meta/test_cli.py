@@ -33,3 +33,29 @@ def test_certify_refuses_an_unknown_name_at_once_and_writes_nothing(tmp_path, ar
     )
     assert not any(tmp_path.iterdir()), f"a usage error left {sorted(p.name for p in tmp_path.iterdir())}"
     assert took < 60, f"a usage error took {took:.0f} s (nothing should have run)"
+
+
+def test_certify_help_epilog_names_exit_statuses_0_to_3(capsys):
+    from harness.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["certify", "--help"])
+    out = capsys.readouterr().out
+    for line in ("0  PASS", "1  FAIL", "2  usage error", "3  COULD NOT DECIDE"):
+        assert line in out, f"{line!r} not in certify --help:\n{out[-1500:]}"
+
+
+@pytest.mark.parametrize(
+    ("engine", "measured", "says"),
+    [
+        ("reference", "reference", "measured with the engine under test, reference"),
+        ("vllm", "reference", "--engine vllm was not measured because"),
+    ],
+)
+def test_throughput_names_the_engine_it_measured(engine, measured, says):
+    from harness.cli import throughput_engine
+    from harness.registry import engine_path
+
+    path, note = throughput_engine(engine)
+    assert path == engine_path(measured), f"--engine {engine}: throughput measured with {path}"
+    assert says in note, note
