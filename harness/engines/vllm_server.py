@@ -36,14 +36,8 @@ from harness.api import (
     RequestStream,
     TokenEvent,
 )
-from harness.engines.vllm import (
-    BACKEND,
-    DEFAULT_KV_CACHE_BYTES,
-    EXTENSION,
-    VllmEngine,
-    harness_error,
-    parse_version,
-)
+from harness.engines.vllm_adapter import VllmEngine, harness_error, parse_version
+from harness.engines.vllm_settings import DEFAULT_KV_CACHE_BYTES, VllmSettings
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -77,18 +71,10 @@ class VllmServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        settings = VllmSettings(dtype, max_model_len, max_num_seqs, kv_cache_bytes, seed)
         self.cmd = [
             python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
-            "--skip-tokenizer-init",
-            "--enforce-eager",
-            "--dtype", dtype,
-            "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_num_seqs),
-            "--kv-cache-memory-bytes", str(kv_cache_bytes),
-            "--seed", str(seed),
-            "--worker-extension-cls", EXTENSION,
-            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            *settings.server_args(self.model_dir),
             "--host", "127.0.0.1",
             "--port", str(self.port),
         ]  # fmt: skip

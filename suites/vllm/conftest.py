@@ -37,7 +37,8 @@ class EnginePool:
 
     def get(self, engine_id: str):
         if engine_id not in self._deployments:
-            from harness.engines.vllm import InProcessVllm, VllmDeployment
+            from harness.engines.vllm import InProcessVllm
+            from harness.engines.vllm_receiver import VllmDeployment
 
             form, _, rest = engine_id.partition("-")
             model, _, dtype = rest.partition("@")  # "inproc-llama@bfloat16": serve in that dtype
@@ -77,7 +78,7 @@ class EnginePool:
 def vllm_pool(tmp_path_factory):
     """Every vLLM engine of the session; TMPDIR points at a private folder while they run."""
     pytest.importorskip("vllm")
-    from harness.engines.vllm import private_tmpdir
+    from harness.engines.vllm_settings import private_tmpdir
 
     root = tmp_path_factory.mktemp("vllm")
     cache = Path(os.environ.get("WEIGHTSYNC_MODEL_CACHE") or tmp_path_factory.mktemp("hf-models"))

@@ -1,0 +1,72 @@
+"""The launch settings both vLLM forms share: one set of options, rendered as `LLM(...)` keyword
+arguments for the in-process engine (harness.engines.vllm) and as the dev-mode server's command line
+(harness.engines.vllm_server), so the two forms serve the same model the same way.
+
+Both load the harness's weight-transfer backend into vLLM through `worker_extension_cls`
+(harness.engines.vllm_transport, which cannot be imported without vLLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Kept in step with harness.engines.vllm_transport, which cannot be imported without vLLM.
+BACKEND = "weightsync_files"
+EXTENSION = "harness.engines.vllm_transport.WeightSyncWorkerExtension"
+
+DEFAULT_KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise sizes its KV cache from a share of all RAM
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmSettings:
+    """What a vLLM form is started with (the model directory aside)."""
+
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    seed: int = 0
+
+    def llm_kwargs(self, model_dir: str | os.PathLike) -> dict[str, Any]:
+        """Keyword arguments of vLLM's `LLM` (the in-process form; one process, uni executor)."""
+        return {
+            "model": str(model_dir),
+            "skip_tokenizer_init": True,
+            "enforce_eager": True,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "seed": self.seed,
+            "kv_cache_memory_bytes": self.kv_cache_bytes,
+            "distributed_executor_backend": "uni",
+            "worker_extension_cls": EXTENSION,
+            "weight_transfer_config": {"backend": BACKEND},
+        }
+
+    def server_args(self, model_dir: str | os.PathLike) -> list[str]:
+        """The same options on the command line of vLLM's OpenAI-compatible server."""
+        return [
+            "--model", str(model_dir),
+            "--skip-tokenizer-init",
+            "--enforce-eager",
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+            "--seed", str(self.seed),
+            "--worker-extension-cls", EXTENSION,
+            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+        ]  # fmt: skip
+
+
+def private_tmpdir(base: str | os.PathLike | None = None) -> Path:
+    """A private TMPDIR for vLLM's rendezvous files, made current for this process."""
+    path = Path(tempfile.mkdtemp(prefix="weightsync-vllm-", dir=base))
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # re-read TMPDIR
+    return path
