@@ -63,3 +63,32 @@ def test_paths_hold_only_the_transport():
         f"harness/paths/ must import none of {forbidden}: {offenders}; a Backend and its factory "
         f"belong in harness/backends/. Rerun: python -m pytest suites/meta/test_layout.py"
     )
+
+
+def documented_invariants(page: Path) -> dict[str, str]:
+    """{suite module: invariant name} from the table under "Invariant names in the report"."""
+    rows: dict[str, str] = {}
+    in_section = False
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            in_section = line.strip("# ").lower() == "invariant names in the report"
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if in_section else []
+        if len(cells) == 2 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1]
+    return rows
+
+
+def test_architecture_page_names_the_reports_invariants():
+    from harness.report import INVARIANTS
+
+    page = ROOT / "docs" / "architecture.md"
+    documented = documented_invariants(page)
+    missing_from_page = {m: n for m, n in INVARIANTS.items() if documented.get(m) != n}
+    missing_from_report = {m: n for m, n in documented.items() if INVARIANTS.get(m) != n}
+    assert not missing_from_page and not missing_from_report, (
+        f"docs/architecture.md's invariant table and harness.report.INVARIANTS differ: "
+        f"in the report but not on the page (or named otherwise there): {missing_from_page}; "
+        f"on the page but not in the report: {missing_from_report}. Rerun: "
+        f"python -m pytest suites/meta/test_layout.py -k invariants"
+    )
