@@ -3,12 +3,18 @@
 A trainer syncs thousands of times; one fd, thread, child process, shared-memory segment or version
 directory left behind per sync ends the run. After a warm-up (pools and caches exist), SYNCS more
 syncs must leave the trainer and every rank process with no more open fds, threads and children,
-/dev/shm with no more entries, and the path's working directory no larger.
+/dev/shm with no more entries of this run, and the path's working directory no larger.
+
+Everything counted is this run's own: per-process counts of the trainer (this process) and its ranks,
+and of /dev/shm only the entries whose name carries the pid of this process or of one of its descendants
+(`wsync-<pid>-...` of harness.paths.ipc, `torch_<pid>_...`): on a shared CI runner another job's segments
+come and go, and they are not this test's.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -32,6 +38,27 @@ def _children(pid: int) -> set[int]:
     return out
 
 
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _shm_entries_of_this_run() -> list[str]:
+    """/dev/shm entries whose name carries (as a whole -, _ or . separated field) the pid of this process
+    or of one of its descendants: the segments this run created, never another job's."""
+    pids = {str(os.getpid())} | {str(p) for p in _descendants(os.getpid())}
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if pids & set(re.split(r"[-_.]", n)))
+
+
 def _tree_bytes(root: Path) -> tuple[int, int]:
     files = [p for p in root.rglob("*") if p.is_file()]
     return len(files), sum(p.stat().st_size for p in files)
@@ -44,7 +71,7 @@ def _usage(deployment, workdir: Path) -> dict[str, int]:
         usage[f"{who} fds"] = len(os.listdir(f"/proc/{pid}/fd"))
         usage[f"{who} threads"] = len(os.listdir(f"/proc/{pid}/task"))
         usage[f"{who} children"] = len(_children(pid))
-    usage["/dev/shm entries"] = len(os.listdir("/dev/shm"))
+    usage["/dev/shm entries"] = len(_shm_entries_of_this_run())
     usage["workdir files"], usage["workdir bytes"] = _tree_bytes(workdir)
     return usage
 
@@ -59,6 +86,15 @@ def test_nothing_grows_with_the_number_of_syncs(weightsync_deployment, weightsyn
     for _ in range(SYNCS):
         push(weightsync_deployment, *trainer.step())
     after = _usage(weightsync_deployment, workdir)
+    grown = _grown(before, after)
+    assert not grown, (
+        f"{name} with {n} receiver(s): after {SYNCS} more syncs these grew: {grown}\n"
+        f"rerun: pytest suites/conformance/test_resources.py --weightsync-backend={name}"
+    )
+
+
+def _grown(before: dict[str, int], after: dict[str, int]) -> dict[str, str]:
+    """The counts that grew past their limit: 'was -> now (limit)' by name."""
     grown = {}
     for key, was in before.items():
         now = after[key]
@@ -70,7 +106,26 @@ def test_nothing_grows_with_the_number_of_syncs(weightsync_deployment, weightsyn
             limit = was + SLACK
         if now > limit:
             grown[key] = f"{was} -> {now} (limit {limit})"
-    assert not grown, (
-        f"{name} with {n} receiver(s): after {SYNCS} more syncs these grew: {grown}\n"
-        f"rerun: pytest suites/conformance/test_resources.py --weightsync-backend={name}"
-    )
+    return grown
+
+
+def test_the_gate_ignores_another_jobs_shm_segment_but_not_its_own(tmp_path):
+    """A segment another job on the same runner creates during the check (another pid, alive) is not
+    this run's growth; one this process creates is."""
+    no_ranks = object()
+    before = _usage(no_ranks, tmp_path)
+    foreign = Path(f"/dev/shm/wsync-{os.getppid()}-otherjob{os.getpid()}")  # the parent: alive, not ours
+    ours = Path(f"/dev/shm/wsync-{os.getpid()}-probe")
+    try:
+        foreign.write_bytes(b"x")
+        grown = _grown(before, _usage(no_ranks, tmp_path))
+        assert "/dev/shm entries" not in grown, (
+            f"another job's segment {foreign.name} counted as this run's growth: {grown}; "
+            f"this run's entries: {_shm_entries_of_this_run()}"
+        )
+        ours.write_bytes(b"x")
+        grown = _grown(before, _usage(no_ranks, tmp_path))
+        assert "/dev/shm entries" in grown, f"this run's segment {ours.name} not counted: {grown}"
+    finally:
+        foreign.unlink(missing_ok=True)
+        ours.unlink(missing_ok=True)
