@@ -191,7 +191,7 @@ def certify(args: argparse.Namespace) -> int:
         profile=args.profile,
         repeats=args.repeats,
         throughput_engine=bench_engine_name,
-        throughput_note=bench_note if not args.no_bench else "",
+        throughput_note=bench_note if rows else "" if args.no_bench else "throughput was not measured",
         missing=missing,
     )
     if rows:

@@ -175,8 +175,9 @@ def pytest_rerun(
     ]
     if seed is not None:
         cmd.append(f"--weightsync-fault-seed={seed}")
-    prefix = f"HYPOTHESIS_PROFILE={profile} " if profile != "ci" else ""
-    return prefix + shlex.join(cmd)
+    if profile != "ci":
+        cmd.append(f"--weightsync-hypothesis-profile={profile}")
+    return shlex.join(cmd)
 
 
 def bench_rerun(row: Any, engine: str = "reference", repeats: int = 3) -> str:

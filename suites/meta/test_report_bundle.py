@@ -177,3 +177,18 @@ def test_report_html_is_self_contained_and_shows_verdict_matrix_command(bundle):
     external = re.findall(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", page) + re.findall(r"@import", page)
     assert not external, f"report.html loads external resources: {external}"
     assert 'src="data:image/png;base64,' in page, "the throughput plot is not embedded"
+
+
+def test_rerun_lines_carry_the_profile_the_seed_and_the_delta_fraction():
+    from harness.report import bench_rerun, pytest_rerun
+
+    line = pytest_rerun(NODE, "disk", "vllm", "1", profile="thorough", seed=3)
+    assert line == (
+        f"python -m pytest '{NODE}' --weightsync-backend=disk --weightsync-engine=vllm "
+        "--weightsync-receivers=1 --weightsync-fault-seed=3 --weightsync-hypothesis-profile=thorough"
+    ), line
+    row = SyncRow("delta", 2, 64 << 20, 8, "bf16", 0.1, 0.05, 1.0, 0, floor=0.12, changed=0.01)
+    assert bench_rerun(row, repeats=5) == (
+        "weightsync bench --backend delta --sizes-mib 64 --receivers 2 --repeats 5 "
+        "--delta-fractions 0.01 --floor delta=0.12"
+    )
