@@ -500,6 +500,21 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
     return None
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """With -rs / -ra (pytest's own list of skip reasons leaves them out): one line per distinct
+    NOT_SUPPORTED reason and how many tests it covers."""
+    reports = terminalreporter.stats.get("not_supported", [])
+    if not reports or not set(config.option.reportchars or "") & set("saA"):
+        return
+    reasons: dict[str, int] = {}
+    for r in reports:
+        reason = _skip_reason(r).removeprefix("Skipped: ").removeprefix(f"{NOT_SUPPORTED}: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.write_sep("=", "NOT_SUPPORTED: not claimed by the backend or engine under test")
+    for reason, n in sorted(reasons.items()):
+        terminalreporter.write_line(f"{NOT_SUPPORTED} [{n}] {reason}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     # Written before and after every test, so a run that is killed (a hang, a timeout, a lost machine)
