@@ -211,8 +211,10 @@ def reruns(
     receivers: str,
     profile: str = "ci",
     repeats: int = 3,
+    bench_engine: str | None = None,
 ) -> list[dict[str, str]]:
-    """One rerun line per failed (or unknown) test and per failed throughput row."""
+    """One rerun line per failed (or unknown) test and per failed throughput row (remeasured with
+    `bench_engine`, the engine the rows were measured with; default `engine`)."""
     out = []
     for suite, runs in (("conformance", results), ("faults", faults)):
         for backend, res in runs.items():
@@ -227,7 +229,8 @@ def reruns(
     for r in rows:
         if not r.passed:
             what = f"{r.path} {r.receivers}rx {r.size_bytes} B ({r.verdict})"
-            out.append({"suite": "throughput", "what": what, "command": bench_rerun(r, engine, repeats)})
+            command = bench_rerun(r, bench_engine or engine, repeats)
+            out.append({"suite": "throughput", "what": what, "command": command})
     return out
 
 
@@ -523,7 +526,7 @@ def write_report(
         "verdict": decision.verdict,
         "exit_status": decision.exit_status,
         "reasons": {"failed": decision.failed, "undecided": decision.undecided},
-        "reruns": reruns(results, faults, rows, engine, receivers, profile, repeats),
+        "reruns": reruns(results, faults, rows, engine, receivers, profile, repeats, throughput_engine),
         "command": command,
         "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": env,

@@ -192,3 +192,14 @@ def test_rerun_lines_carry_the_profile_the_seed_and_the_delta_fraction():
         "weightsync bench --backend delta --sizes-mib 64 --receivers 2 --repeats 5 "
         "--delta-fractions 0.01 --floor delta=0.12"
     )
+
+
+def test_a_row_is_remeasured_with_the_engine_that_measured_it():
+    from harness.report import reruns
+
+    lines = reruns({"disk": _suite("failed")}, {}, [_row(wrong=1)], "vllm", "1", bench_engine="reference")
+    conformance, throughput = (r["command"] for r in lines)
+    assert "--weightsync-engine=vllm" in conformance, conformance
+    assert throughput.startswith("weightsync bench --backend disk") and "--engine" not in throughput, (
+        throughput
+    )
