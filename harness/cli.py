@@ -70,6 +70,7 @@ def run_conformance(
         f"--weightsync-engine={engine}",
         f"--weightsync-receivers={receivers}",
         f"--weightsync-results={results}",
+        f"--weightsync-hypothesis-profile={profile}",
         f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
     ]
     if suite == "faults":
@@ -79,7 +80,7 @@ def run_conformance(
     ):  # these drive BroadcastBackend itself, whatever is selected: run them once
         for test in BROADCAST_LAUNCHER_TESTS:
             cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
-    env = {**os.environ, "HYPOTHESIS_PROFILE": profile}
+    env = dict(os.environ)
     log = out / f"pytest-{suite}-{_slug(backend)}.log"
     with (
         console.status(f"[bold]{suite}[/] {backend}: running {shlex.join(cmd[3:5])} ..."),
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         "--receivers", default="auto", help="receiver counts for multi-receiver tests (default: auto)"
     )
     c.add_argument(
-        "--profile", default=os.environ.get("HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"]
+        "--profile", default=os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"]
     )
     c.add_argument("--out", default="reports", help="report directory (default: reports/)")
     c.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64], help="throughput payload sizes")

@@ -171,11 +171,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--weightsync-hypothesis-profile",
-        default=os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE")
-        or os.environ.get("HYPOTHESIS_PROFILE")
-        or "ci",
+        # Our own variable only: a generic HYPOTHESIS_PROFILE belongs to whichever project set it.
+        default=os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE") or "ci",
         help=f"hypothesis profile to load, one of {list(HYPOTHESIS_PROFILES)} (default: env "
-        "WEIGHTSYNC_HYPOTHESIS_PROFILE, else env HYPOTHESIS_PROFILE, else ci). Loaded only in a run that "
+        "WEIGHTSYNC_HYPOTHESIS_PROFILE, else ci). Loaded only in a run that "
         "selects weightsync: one that passes any --weightsync-* option, or whose paths (or --pyargs modules) "
         "lie in or contain weightsync's suites/ folder; never when --hypothesis-profile is given. Any other "
         "pytest run keeps its own hypothesis settings",
@@ -269,8 +268,8 @@ def pytest_configure(config: pytest.Config) -> None:
     profile = config.getoption("--weightsync-hypothesis-profile")
     if profile not in HYPOTHESIS_PROFILES:
         raise pytest.UsageError(
-            f"--weightsync-hypothesis-profile={profile!r} (or env WEIGHTSYNC_HYPOTHESIS_PROFILE / "
-            f"HYPOTHESIS_PROFILE): expected one of {list(HYPOTHESIS_PROFILES)}"
+            f"--weightsync-hypothesis-profile={profile!r} (or env WEIGHTSYNC_HYPOTHESIS_PROFILE): "
+            f"expected one of {list(HYPOTHESIS_PROFILES)}"
         )
     if not config.getoption("--hypothesis-profile", None):  # hypothesis's own option wins
         settings.load_profile(profile)
