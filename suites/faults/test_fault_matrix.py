@@ -38,7 +38,7 @@ THOROUGH_DRAWS = 10
 
 
 def _thorough() -> bool:
-    return settings._current_profile == "thorough"
+    return settings.get_current_profile_name() == "weightsync-thorough"
 
 
 #: The control column in the default selection: the faults of the control plane itself. Its data plane

@@ -36,7 +36,12 @@ def _profile_line(result) -> str:
     return lines[0][lines[0].index("PROFILE=") :]
 
 
-def test_a_run_that_selects_nothing_of_weightsync_is_left_as_it_was(pytester):
+@pytest.mark.parametrize("ci", ["CI=true", "no CI"])  # hypothesis loads its own "ci" profile when CI is set
+def test_a_run_that_selects_nothing_of_weightsync_is_left_as_it_was(pytester, monkeypatch, ci):
+    if ci == "no CI":
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", "true")
     pytester.makepyfile(test_plain=PLAIN)
     loaded = pytester.runpytest_subprocess("-s", "-p", "no:randomly", "-p", "no:cacheprovider")
     without = pytester.runpytest_subprocess(
@@ -63,9 +68,11 @@ def test_the_hypothesis_profile_is_loaded_only_through_its_option(pytester):
     default = pytester.runpytest_subprocess(*args)
     thorough = pytester.runpytest_subprocess(*args, "--weightsync-hypothesis-profile=thorough")
     wrong = pytester.runpytest_subprocess(*args, "--weightsync-hypothesis-profile=nope")
-    assert _profile_line(default) == "PROFILE=ci MAX_EXAMPLES=20", default.stdout.str()[-2000:]
-    assert _profile_line(thorough) == "PROFILE=thorough MAX_EXAMPLES=300", thorough.stdout.str()[-2000:]
-    default.stdout.fnmatch_lines(["weightsync: engine=* hypothesis profile=ci"])
+    assert _profile_line(default) == "PROFILE=weightsync-ci MAX_EXAMPLES=20", default.stdout.str()[-2000:]
+    assert _profile_line(thorough) == "PROFILE=weightsync-thorough MAX_EXAMPLES=300", thorough.stdout.str()[
+        -2000:
+    ]
+    default.stdout.fnmatch_lines(["weightsync: engine=* hypothesis profile=weightsync-ci"])
     assert wrong.ret == pytest.ExitCode.USAGE_ERROR, wrong.stderr.str()
     wrong.stderr.fnmatch_lines(["ERROR: --weightsync-hypothesis-profile='nope'*"])
 
