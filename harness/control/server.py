@@ -1239,6 +1239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init-override", default="{}", help="JSON merged over every init_info (e.g. this rank)")
     ap.add_argument("--token-file", help="file holding the bearer token")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    ap.add_argument("--workdir", help="where /sleep offloads weights (default: a temporary directory)")
+    ap.add_argument("--worker-index", type=int, default=0, help="this server's element of a list update_info")
+    ap.add_argument("--world-size", type=int, default=1, help="what /get_world_size answers")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
@@ -1259,6 +1262,9 @@ def main(argv: list[str] | None = None) -> int:
         allowed_hosts=tuple(args.allowed_host) or LOOPBACK_HOSTS,
         init_overrides=json.loads(args.init_override),
         max_body_bytes=args.max_body_bytes,
+        workdir=Path(args.workdir) if args.workdir else None,
+        worker_index=args.worker_index,
+        world_size=args.world_size,
     )
     thread = ServerThread(ControlServer(engine, receiver, cfg), log_level=args.log_level).start()
     print(f"weightsync control server listening on {thread.url}", flush=True)

@@ -252,3 +252,19 @@ def test_weight_checker_checksum_compare_and_reset(served):
 )
 def test_weight_checker_refusals(served, body, param, fragment):
     assert_error(post(served, "/weight_checker", json=body), 400, "Bad Request", param, fragment)
+
+
+def test_weight_checker_answers_while_paused_as_vllm_does(served):
+    assert post(served, "/pause", params={"mode": "keep"}).status_code == 200
+    resp = post(served, "/weight_checker", json={"action": "checksum"})
+    assert resp.status_code == 200 and len(resp.json()["checksums"]) == len(served.engine.weight_spec()), (
+        resp.text[:300]
+    )
+
+
+def test_finish_has_no_checksum_option_in_vllm_0_32(served):
+    info, _ = stage(served, 1, seed=1)
+    assert post(served, "/update_weights", json={"update_info": info}).status_code == 200
+    refused = post(served, "/finish_weight_update", json={"weight_version": "1", "checksum": True})
+    assert_error(refused, 400, "Bad Request", "body.checksum", "extra")
+    assert post(served, "/finish_weight_update", json={"weight_version": "1"}).status_code == 200
