@@ -89,7 +89,7 @@ class ControlDeployment(RankDeployment):
         self._token = secrets.token_urlsafe(24)
         self._root = Path(workdir) / "checkpoints"
         # half the timeout per call, and a call that timed out is not repeated (the server is frozen or
-        # blocked: the supervisor kills it): a finish whose answer timed out also asks /weight_info, and
+        # blocked: the supervisor kills it): a finish whose answer timed out also asks /weight_status, and
         # the failed push then aborts everywhere; all of it must fit in 2x the timeout. A connection cut
         # or an answer lost is repeated once, with the same Idempotency-Key: the server replays it.
         self._timeouts = Timeouts(

@@ -7,9 +7,10 @@ Retries never apply an update twice:
 - a request that never reached the server (connect error, no pooled connection) is always retried;
 - a request whose outcome is unknown (timeout or broken connection after sending) is retried only when
   repeating it is harmless: reads, pause/resume, version labels; or when the server de-duplicates by
-  `Idempotency-Key` (this harness's server says so in /weight_info); each logical call sends one key;
+  `Idempotency-Key` (this harness's server says so in /weight_status); each logical call sends one key;
 - `finish_weight_update(v)` is recognised rather than re-applied: after an unknown outcome or a refusal,
-  the client reads /weight_info, and a server already serving v means the finish landed;
+  the client reads /weight_status (/weight_info on vLLM), and a server already serving v means the
+  finish landed;
 - anything else with an unknown outcome raises `AmbiguousResultError`: unknown is never reported as ok.
 """
 
@@ -166,7 +167,7 @@ class ControlClient:
         return httpx.Timeout(read, connect=t.connect, write=t.write, pool=t.connect)
 
     def _probe(self) -> None:
-        info = self.weight_info()
+        info = self.weight_status()
         self._kind = "weightsync" if info.get("server") == "weightsync" else "vllm"
         if self._keys is None:
             self._keys = info.get("idempotency_keys") is True
@@ -301,7 +302,7 @@ class ControlClient:
         raise first
 
     def _serves(self, version: int | str) -> bool:
-        info = self.weight_info()
+        info = self.weight_status()
         return str(info.get("weight_version")) == str(version) or info.get("engine_version") == version
 
     def abort_weight_update(self) -> bool:
@@ -340,6 +341,18 @@ class ControlClient:
 
     def weight_info(self) -> JSON:
         return self._json(self._call("GET", "/weight_info", repeatable=True))
+
+    def weight_status(self) -> JSON:
+        """/weight_status on this harness's server (the engine version, an open update, the server's
+        name); /weight_info on a server without it (vLLM answers 404)."""
+        if self._kind != "vllm":
+            try:
+                return self._json(self._call("GET", "/weight_status", repeatable=True))
+            except ControlHTTPError as exc:
+                if exc.status not in (404, 405):
+                    raise
+                self._kind = "vllm"
+        return self.weight_info()
 
     def weight_version(self) -> str | None:
         return self.weight_info().get("weight_version")

@@ -80,7 +80,7 @@ class RemoteEngine(Engine):
 
     @property
     def weight_version(self) -> int:
-        info = self.client.weight_info()
+        info = self.client.weight_status()
         if isinstance(info.get("engine_version"), int):
             return info["engine_version"]
         label = info.get("weight_version")

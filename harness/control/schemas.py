@@ -1,8 +1,8 @@
 """Request bodies of the control plane and the validators both ends share.
 
 Every model forbids unknown fields and coerces nothing (strict mode): a trainer that sends a field the
-server does not know, or a string where a number belongs, gets a 422 naming it rather than a silent
-guess. Bodies mirror vLLM's dev-mode routes so the same client drives either server.
+server does not know, or a string where a number belongs, gets a 400 whose `param` names it (vLLM's
+error object) rather than a silent guess. Bodies mirror vLLM's dev-mode routes so the same client drives either server.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 MAX_VERSION = 2**63 - 1
-# vLLM labels versions with free strings ("step-12"); ours must look like an identifier.
-VERSION_LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}$"
+# vLLM labels versions with free strings ("step-12", "checkpoint/final"); ours must look like a path-ish
+# identifier: no spaces, no control characters, no leading "." or "/".
+VERSION_LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:+/-]{0,63}$"
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{7,127}$")
 _CANONICAL_INT_RE = re.compile(r"^[1-9][0-9]{0,18}$")
@@ -31,10 +32,17 @@ MAX_KEY_CHARS = 256
 MAX_ABORT_IDS = 4096
 
 PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")  # what vLLM's /wake_up?tags= may name
+INITIAL_VERSION_LABEL = "default"  # vLLM's /weight_info before any labelled version
 
 
 class BadRequest(ValueError):
-    """A request the schema admitted but whose content is refused (a path, a host, a version)."""
+    """A request the schema admitted but whose content is refused (a path, a host, a version).
+    `param` names the refused field as vLLM's error object does ("query.mode", "body.weight_version")."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 # --------------------------------------------------------------------------------------------- blobs
@@ -68,6 +76,9 @@ JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_blob)]
 
 
 # --------------------------------------------------------------------------------------------- versions
+_VERSION_PARAM = "body.weight_version"
+
+
 def parse_version(value: int | str | None) -> tuple[int | None, str | None]:
     """(engine version, label) from a finish body's `weight_version`.
 
@@ -77,19 +88,22 @@ def parse_version(value: int | str | None) -> tuple[int | None, str | None]:
     if value is None:
         return None, None
     if isinstance(value, bool):
-        raise BadRequest("weight_version must be an integer or a label, not a boolean")
+        raise BadRequest("weight_version must be an integer or a label, not a boolean", _VERSION_PARAM)
     if isinstance(value, int):
         if not 1 <= value <= MAX_VERSION:
-            raise BadRequest(f"weight_version {value} outside 1..{MAX_VERSION}")
+            raise BadRequest(f"weight_version {value} outside 1..{MAX_VERSION}", _VERSION_PARAM)
         return value, None
     if value.isdigit():
         if not _CANONICAL_INT_RE.match(value) or int(value) > MAX_VERSION:
             raise BadRequest(
-                f"weight_version {value!r}: a numeric version must be canonical and in 1..{MAX_VERSION}"
+                f"weight_version {value!r}: a numeric version must be canonical and in 1..{MAX_VERSION}",
+                _VERSION_PARAM,
             )
         return int(value), None
     if not re.match(VERSION_LABEL_PATTERN, value):
-        raise BadRequest(f"weight_version {value[:80]!r} does not match {VERSION_LABEL_PATTERN}")
+        raise BadRequest(
+            f"weight_version {value[:80]!r} does not match {VERSION_LABEL_PATTERN}", _VERSION_PARAM
+        )
     return None, value
 
 
@@ -102,7 +116,9 @@ def parse_query_bool(name: str, raw: str | None, default: bool) -> bool:
         return True
     if low in ("false", "0"):
         return False
-    raise BadRequest(f"query parameter {name}={raw[:40]!r} is not a boolean (true|false|1|0)")
+    raise BadRequest(
+        f"query parameter {name}={raw[:40]!r} is not a boolean (true|false|1|0)", f"query.{name}"
+    )
 
 
 # --------------------------------------------------------------------------------------------- paths
@@ -194,7 +210,8 @@ class StartWeightUpdateBody(_Strict):
 
 
 class UpdateWeightsBody(_Strict):
-    update_info: JsonObject
+    # vLLM 0.32 takes one object, or a list with one object per inference worker (its global rank)
+    update_info: JsonObject | Annotated[list[JsonObject], Field(min_length=1, max_length=4096)]
 
 
 class FinishWeightUpdateBody(_Strict):
@@ -211,6 +228,19 @@ class AbortRequestsBody(_Strict):
 
 class EmptyBody(_Strict):
     pass
+
+
+WEIGHT_CHECKER_ACTIONS = ("checksum", "reset", "compare")
+Sha256Hex = Annotated[str, Field(max_length=64)]
+
+
+class WeightCheckerBody(_Strict):
+    """vLLM 0.32's POST /weight_checker: checksum, reset (zero) or compare against a baseline."""
+
+    action: Literal["checksum", "reset", "compare"]
+    baseline: (
+        Annotated[dict[Annotated[str, Field(max_length=1024)], Sha256Hex], Field(max_length=100_000)] | None
+    ) = None
 
 
 class StreamOptions(_Strict):

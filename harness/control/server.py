@@ -6,18 +6,23 @@ Routes and bodies follow vLLM 0.32's dev mode (VLLM_SERVER_DEV_MODE=1) so one cl
     POST /abort_requests {request_ids?}             POST /init_weight_transfer_engine {init_info}
     POST /start_weight_update                       POST /update_weights {update_info}
     POST /finish_weight_update {weight_version?}    POST /update_weight_version {new_version}
-    GET  /weight_info                               POST /reset_prefix_cache
-    POST /shutdown_weight_transfer_engine
+    GET  /weight_info  -> {"weight_version"}          POST /reset_prefix_cache
+    POST /shutdown_weight_transfer_engine           GET  /get_world_size?include_dp=
+    POST /sleep?level=0|1|2&mode=   POST /wake_up?tags=   GET /is_sleeping
+    POST /weight_checker {action: checksum|reset|compare, baseline?}
     POST /v1/completions  (token-id prompts, greedy, SSE streaming with per-token weight versions)
 
 Beyond vLLM (vLLM's dev routes have no auth at all):
 - a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it;
-- bodies bounded in size (413) and validated strictly (422 for unknown fields or wrong types);
+- bodies bounded in size (413) and validated strictly: unknown fields and wrong types are refused
+  with vLLM's error object (400, `param` naming the field); a lifecycle step out of order is a 409,
+  decided before the body is read;
 - every file path in init_info/update_info confined to allowed directories, every peer address to
   allowed hosts;
 - an `Idempotency-Key` header on mutating routes: a retry with the same key gets the first answer
   and never runs the operation twice; a finish of the version already committed is recognised;
-- extensions: POST /abort_weight_update, GET /weight_spec, GET /stats, GET /health.
+- extensions: POST /abort_weight_update, GET /weight_spec, GET /weight_status (the engine version,
+  an open update, this server's name), GET /stats, GET /health.
 
 Tensors never cross HTTP: update_info carries the manifest and the data plane's coordinates, and the
 receiver fetches the bytes itself. Every blocking engine or receiver call runs in a worker thread,
@@ -38,7 +43,9 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -46,6 +53,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -95,6 +103,9 @@ class ServerConfig:
     model_name: str = SERVER_NAME
     control_threads: int = 8
     idempotency_capacity: int = 4096
+    world_size: int = 1  # /get_world_size: inference workers behind this server (TP x PP)
+    worker_index: int = 0  # which element of a list update_info is this server's (vLLM: its global rank)
+    workdir: Path | None = None  # where /sleep offloads weights; None: a temporary directory
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, str) or len(self.token) < 16:
@@ -103,15 +114,26 @@ class ServerConfig:
 
 
 # --------------------------------------------------------------------------------------------- errors
-class ApiError(Exception):
-    """An error answer: status, a type name the client maps back to a harness error, a message."""
+BAD_REQUEST = "Bad Request"  # vLLM's error type for a request that fails validation (the status phrase)
 
-    def __init__(self, status: int, type_: str, message: str):
+
+class ApiError(Exception):
+    """An error answer in vLLM's ErrorResponse shape: status, a type name the client maps back to a
+    harness error, a message, and `param`, the refused field ("query.mode", "body.new_version")."""
+
+    def __init__(self, status: int, type_: str, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.type, self.message = status, type_, message
+        self.status, self.type, self.message, self.param = status, type_, message, param
 
     def payload(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
+
+
+def invalid(message: str, param: str | None) -> ApiError:
+    """A request that fails validation: vLLM answers 400 with the field named in `param`."""
+    return ApiError(400, BAD_REQUEST, message, param)
 
 
 _STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
@@ -131,16 +153,44 @@ _STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
 def api_error(exc: BaseException) -> ApiError | None:
     for cls, status in _STATUS_OF:
         if isinstance(exc, cls):
+            param = getattr(exc, "param", None)
+            if param is not None:  # a field that fails validation: vLLM's 400, whoever refused it
+                return invalid(str(exc), param)
             return ApiError(status, type(exc).__name__, str(exc))
     return None
 
 
-def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+# pydantic names union branches and validator wrappers in an error's location; a client knows fields
+_SCHEMA_KINDS = frozenset(
+    {"function-after", "function-before", "function-wrap", "function-plain", "nullable"}
+)
+_SCHEMA_KINDS |= frozenset({"union", "tagged-union", "lax-or-strict", "json-or-python", "chain", "default"})
+_SCHEMA_KINDS |= frozenset({"str", "int", "float", "bool", "list", "dict", "none", "constrained-str"})
+
+
+def _field_path(loc: tuple[Any, ...], prefix: str) -> str:
+    """`prefix.field.sub`: a pydantic error location as vLLM's `param` spells it."""
+    parts = [prefix] if prefix and (not loc or loc[0] != prefix) else []
+    for p in loc:
+        text = str(p)
+        if (
+            any(c in text for c in "[](){}")
+            or text.lower() in _SCHEMA_KINDS
+            or text.startswith("constrained-")
+        ):
+            continue
+        parts.append(text)
+    return ".".join(parts)
+
+
+def validation_error(exc: ValidationError | RequestValidationError, prefix: str = "body") -> ApiError:
+    """400 naming the first refused field in `param`, the first ten errors in the message."""
+    errors = exc.errors()
     parts = []
-    for err in exc.errors()[:10]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
+    for err in errors[:10]:
+        parts.append(f"{_field_path(tuple(err.get('loc', ())), prefix)}: {err.get('msg', 'invalid')}")
+    param = _field_path(tuple(errors[0].get("loc", ())), prefix) if errors else prefix
+    return invalid("; ".join(parts) or "validation error", param)
 
 
 # --------------------------------------------------------------------------------------------- ASGI guard
@@ -244,6 +294,10 @@ class IdempotencyCache:
         self._entries: collections.OrderedDict[str, tuple[str, asyncio.Future]] = collections.OrderedDict()
         self.replays = 0
 
+    def knows(self, key: str | None) -> bool:
+        """Whether `key` has an answer here (given or on its way): its retry replays, never re-runs."""
+        return key is not None and key in self._entries
+
     async def run(
         self, key: str, fingerprint: str, op: Callable[[], Awaitable[tuple[int, dict[str, Any]]]]
     ) -> tuple[int, dict[str, Any]]:
@@ -301,6 +355,10 @@ class ControlServer:
         self._staged_version: int | None = None  # version of the update_info accepted in this update
         self._update_failure: str | None = None  # why this update can no longer commit
         self._label: str | None = None  # vLLM-style version label, reported by /weight_info
+        self._asleep: set[str] = set()  # what /sleep put to sleep and /wake_up has not woken yet
+        self._sleep_level = 0
+        self._own_workdir = config.workdir is None
+        self.workdir = Path(config.workdir or tempfile.mkdtemp(prefix="weightsync-control-"))
         self._idempotency = IdempotencyCache(config.idempotency_capacity)
         self._live: dict[str, _Live] = {}
         self.counters = collections.Counter()  # submitted, completed, aborted, disconnected, commits, ...
@@ -328,14 +386,15 @@ class ControlServer:
         params = request.query_params
         unknown = sorted(set(params.keys()) - set(allowed))
         if unknown:
-            raise ApiError(
-                422, "ValidationError", f"unknown query parameter(s) {unknown[:5]}; allowed: {list(allowed)}"
+            raise invalid(
+                f"unknown query parameter(s) {unknown[:5]}; allowed: {list(allowed)}",
+                f"query.{unknown[0][:64]}",
             )
         out = {}
         for k in params:
             values = params.getlist(k)
             if len(values) != 1:
-                raise ApiError(422, "ValidationError", f"query parameter {k!r} given {len(values)} times")
+                raise invalid(f"query parameter {k!r} given {len(values)} times", f"query.{k}")
             out[k] = values[0]
         return out
 
@@ -344,7 +403,7 @@ class ControlServer:
         raw = await request.body()
         if not raw.strip():
             if required:
-                raise ApiError(422, "ValidationError", f"{request.url.path}: a JSON body is required")
+                raise invalid(f"{request.url.path}: a JSON body is required", "body")
             return model()
         ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if ctype != "application/json" and not ctype.endswith("+json"):
@@ -352,7 +411,7 @@ class ControlServer:
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
-            raise ApiError(422, "ValidationError", _validation_message(exc)) from None
+            raise validation_error(exc) from None
 
     async def _mutation(self, request: Request, body: Any, op: Callable[[], dict[str, Any]]) -> JSONResponse:
         """Run a mutating operation in a thread; with an Idempotency-Key, at most once per key."""
@@ -368,8 +427,9 @@ class ControlServer:
             status, payload = await run()
         else:
             if not schemas.IDEMPOTENCY_KEY_RE.match(key):
-                raise ApiError(
-                    422, "ValidationError", f"Idempotency-Key must match {schemas.IDEMPOTENCY_KEY_RE.pattern}"
+                raise invalid(
+                    f"Idempotency-Key must match {schemas.IDEMPOTENCY_KEY_RE.pattern}",
+                    "header.idempotency-key",
                 )
             dumped = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
             fingerprint = hashlib.sha256(
@@ -393,6 +453,10 @@ class ControlServer:
         return {"message": "Weight transfer initialized"}
 
     def _start(self) -> dict[str, Any]:
+        if "weights" in self._asleep:
+            raise EngineStateError(
+                "start_weight_update: the engine is asleep (weights offloaded); wake_up first"
+            )
         with self._state_lock:
             self.receiver.start_weight_update()
             self._updating, self._staged_version, self._update_failure = True, None, None
@@ -414,6 +478,25 @@ class ControlServer:
                 f"version {manifest.version}: buckets total {sum(manifest.bucket_sizes)} bytes, more than the "
                 f"{capacity} bytes the engine holds"
             )
+
+    def _require_open_update(self, request: Request, what: str) -> None:
+        """Start before update and finish: a step out of order is a 409 whatever its body says, so this
+        runs before the body is read; a replay of an answer already given by Idempotency-Key is exempt."""
+        if self._updating or self._idempotency.knows(request.headers.get("idempotency-key")):
+            return
+        raise ApiError(409, "LifecycleError", f"{what} outside an update; call start_weight_update first")
+
+    def _own_update_info(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+        """vLLM's list form carries one object per inference worker: this server takes its own."""
+        if isinstance(update_info, dict):
+            return update_info
+        i = self.config.worker_index
+        if i >= len(update_info):
+            raise invalid(
+                f"update_info is a list of {len(update_info)}, no element at this server's worker index {i}",
+                "body.update_info",
+            )
+        return update_info[i]
 
     def _update(self, update_info: dict[str, Any]) -> dict[str, Any]:
         with self._state_lock:
@@ -504,15 +587,83 @@ class ControlServer:
                 self.engine.resume()
         return n
 
+    def version_label(self) -> str:
+        """What /weight_info reports: the last label, else the committed version ("default" before any,
+        as vLLM says)."""
+        committed = self.engine.weight_version
+        return self._label or (schemas.INITIAL_VERSION_LABEL if committed == 0 else str(committed))
+
     def weight_info(self) -> dict[str, Any]:
+        """vLLM's /weight_info, exactly."""
+        return {"weight_version": self.version_label()}
+
+    def weight_status(self) -> dict[str, Any]:
+        """/weight_status: /weight_info plus what this harness's client reads (engine version, an open
+        update, whether Idempotency-Key is honoured)."""
         committed = self.engine.weight_version
         return {
-            "weight_version": self._label or str(committed),
+            "weight_version": self.version_label(),
             "engine_version": committed,
             "update_in_progress": self._updating,
             "server": SERVER_NAME,
             "idempotency_keys": True,
         }
+
+    # ------------------------------------------------------------------ sleep and weight checks
+    def _offload_path(self) -> Path:
+        return self.workdir / "sleep-weights.safetensors"
+
+    def _sleep(self, level: int, mode: str) -> dict[str, Any]:
+        offload = getattr(self.engine, "offload_weights", None)
+        if level >= 1 and not callable(offload):
+            raise ApiError(
+                501, "NotImplementedError", f"{type(self.engine).__name__} cannot offload its weights"
+            )
+        with self._pause_lock:
+            self.engine.pause(mode, clear_cache=level >= 1)  # type: ignore[arg-type]
+            if level >= 1 and "weights" not in self._asleep:
+                offload(self._offload_path() if level == 1 else None)
+                self._asleep |= {"weights", "kv_cache"}
+                self._sleep_level = level
+        return {"status": "sleeping", "level": level}
+
+    def _wake_up(self, tags: list[str] | None) -> dict[str, Any]:
+        with self._pause_lock:
+            waking = set(tags) - {"scheduling"} if tags is not None else set(self._asleep)
+            if "weights" in waking and "weights" in self._asleep:
+                path = self._offload_path() if self._sleep_level == 1 else None
+                self.engine.restore_weights(path)  # type: ignore[attr-defined]
+                if path is not None:
+                    path.unlink(missing_ok=True)
+            self._asleep -= waking
+            fully_awake = not self._asleep
+            if fully_awake:  # vLLM resumes scheduling once everything is resident again
+                self.engine.resume()
+        return {"status": "awake" if fully_awake else "sleeping", "tags": tags}
+
+    def is_sleeping(self) -> bool:
+        """vLLM's answer: asleep at any level, which includes a paused scheduler."""
+        return bool(self._asleep) or self.engine.is_paused
+
+    def _weight_checker(self, body: schemas.WeightCheckerBody) -> dict[str, Any]:
+        if body.action == "reset":
+            zero = getattr(self.engine, "zero_weights", None)
+            if not callable(zero):
+                raise ApiError(
+                    501, "NotImplementedError", f"{type(self.engine).__name__} cannot zero its weights"
+                )
+            zero()
+            return {"status": "reset"}
+        if body.action == "compare" and body.baseline is None:
+            raise invalid("action='compare' requires a 'baseline' object", None)
+        checksums = {CHECKSUM_PREFIX + n: tensor_sha256(t) for n, t in self.engine.read_weights().items()}
+        if body.action == "checksum":
+            return {"checksums": checksums}
+        baseline = body.baseline or {}
+        mismatches = sorted(
+            k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k)
+        )
+        return {"match": not mismatches, "mismatches": mismatches}
 
     # ------------------------------------------------------------------ generation
     def _pump(self, live: _Live, loop: asyncio.AbstractEventLoop) -> None:
@@ -709,9 +860,7 @@ class ControlServer:
 
         @app.exception_handler(RequestValidationError)
         async def _validation(request: Request, exc: RequestValidationError):
-            return JSONResponse(
-                ApiError(422, "ValidationError", _validation_message(exc)).payload(), status_code=422
-            )
+            return JSONResponse(validation_error(exc, prefix="").payload(), status_code=400)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http(request: Request, exc: StarletteHTTPException):
@@ -735,9 +884,7 @@ class ControlServer:
             body = await srv._body(request, schemas.EmptyBody, required=False)
             mode = q.get("mode", "abort")
             if mode not in schemas.PAUSE_MODES:
-                raise ApiError(
-                    422, "ValidationError", f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}"
-                )
+                raise invalid(f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}", "query.mode")
             clear_cache = schemas.parse_query_bool(
                 "clear_cache", q.get("clear_cache"), True
             )  # vLLM's default
@@ -780,12 +927,25 @@ class ControlServer:
 
         @app.post("/update_weights")
         async def update_weights(request: Request):
+            srv._require_open_update(request, "update_weights")
             srv._query(request, ())
             body = await srv._body(request, schemas.UpdateWeightsBody, required=True)
-            return await srv._mutation(request, body, lambda: srv._update(body.update_info))
+            info = srv._own_update_info(body.update_info)
+            return await srv._mutation(request, body, lambda: srv._update(info))
 
         @app.post("/finish_weight_update")
         async def finish_weight_update(request: Request):
+            if not srv._updating:
+                # Without an open update only a finish naming a committed version goes on (a retry of the
+                # finish that landed is recognised; an older one is a VersionError); the rest is out of
+                # order, whatever the body says.
+                try:
+                    early = await srv._body(request, schemas.FinishWeightUpdateBody, required=False)
+                    named = schemas.parse_version(early.weight_version)[0]
+                except (ApiError, BadRequest):
+                    named = None
+                if named is None or named > srv.engine.weight_version:
+                    srv._require_open_update(request, "finish_weight_update")
             srv._query(request, ())
             body = await srv._body(request, schemas.FinishWeightUpdateBody, required=False)
             return await srv._mutation(request, body, lambda: srv._finish(body.weight_version))
@@ -817,6 +977,57 @@ class ControlServer:
         async def weight_info(request: Request):
             srv._query(request, ())
             return await srv._in_thread(srv.weight_info, srv._query_pool)
+
+        @app.get("/weight_status")
+        async def weight_status(request: Request):
+            srv._query(request, ())
+            return await srv._in_thread(srv.weight_status, srv._query_pool)
+
+        @app.post("/weight_checker")
+        async def weight_checker(request: Request):
+            srv._query(request, ())
+            body = await srv._body(request, schemas.WeightCheckerBody, required=True)
+            return await srv._mutation(request, body, lambda: srv._weight_checker(body))
+
+        @app.get("/get_world_size")
+        async def get_world_size(request: Request):
+            q = srv._query(request, ("include_dp",))
+            schemas.parse_query_bool("include_dp", q.get("include_dp"), True)
+            return {"world_size": srv.config.world_size}  # one engine: no data-parallel replicas here
+
+        # ---------------------------------------------------------- sleep
+        @app.post("/sleep")
+        async def sleep(request: Request):
+            q = srv._query(request, ("level", "mode"))
+            body = await srv._body(request, schemas.EmptyBody, required=False)
+            raw_level = q.get("level", "1")
+            if raw_level not in ("0", "1", "2"):
+                raise invalid(f"level={raw_level[:40]!r}: must be 0, 1 or 2", "query.level")
+            mode = q.get("mode", "abort")
+            if mode not in schemas.PAUSE_MODES:
+                raise invalid(f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}", "query.mode")
+            return await srv._mutation(request, body, lambda: srv._sleep(int(raw_level), mode))
+
+        @app.post("/wake_up")
+        async def wake_up(request: Request):
+            unknown = sorted(set(request.query_params.keys()) - {"tags"})
+            if unknown:
+                raise invalid(
+                    f"unknown query parameter(s) {unknown[:5]}; allowed: ['tags']", f"query.{unknown[0][:64]}"
+                )
+            tags = request.query_params.getlist("tags") or None
+            for tag in tags or ():
+                if tag not in schemas.SLEEP_TAGS:
+                    raise invalid(
+                        f"tag {tag[:40]!r}: must be one of {list(schemas.SLEEP_TAGS)}", "query.tags"
+                    )
+            body = await srv._body(request, schemas.EmptyBody, required=False)
+            return await srv._mutation(request, body, lambda: srv._wake_up(tags))
+
+        @app.get("/is_sleeping")
+        async def is_sleeping(request: Request):
+            srv._query(request, ())
+            return {"is_sleeping": await srv._in_thread(srv.is_sleeping, srv._query_pool)}
 
         @app.get("/weight_spec")
         async def weight_spec(request: Request):
@@ -864,6 +1075,7 @@ class ControlServer:
             "/finish_weight_update": schemas.FinishWeightUpdateBody,
             "/update_weight_version": schemas.UpdateWeightVersionBody,
             "/abort_requests": schemas.AbortRequestsBody,
+            "/weight_checker": schemas.WeightCheckerBody,
             "/v1/completions": schemas.CompletionBody,
         }
 
@@ -886,6 +1098,7 @@ class ControlServer:
                         "/init_weight_transfer_engine",
                         "/update_weights",
                         "/update_weight_version",
+                        "/weight_checker",
                         "/v1/completions",
                     ),
                     "content": {
@@ -910,6 +1123,17 @@ class ControlServer:
                 self._loop.call_soon_threadsafe(live.queue.put_nowait, final)
         self._control_pool.shutdown(wait=False, cancel_futures=True)
         self._query_pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+CHECKSUM_PREFIX = "dp0:pp0:pcp0:tp0:"  # vLLM's per-worker key prefix; this server is one worker
+
+
+def tensor_sha256(t: Any) -> str:
+    """SHA-256 of a tensor's raw bytes in memory order (what /weight_checker compares)."""
+    flat = t.detach().cpu().contiguous().view(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _numel(shape) -> int:
@@ -1015,6 +1239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init-override", default="{}", help="JSON merged over every init_info (e.g. this rank)")
     ap.add_argument("--token-file", help="file holding the bearer token")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    ap.add_argument("--workdir", help="where /sleep offloads weights (default: a temporary directory)")
+    ap.add_argument("--worker-index", type=int, default=0, help="this server's element of a list update_info")
+    ap.add_argument("--world-size", type=int, default=1, help="what /get_world_size answers")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
@@ -1035,6 +1262,9 @@ def main(argv: list[str] | None = None) -> int:
         allowed_hosts=tuple(args.allowed_host) or LOOPBACK_HOSTS,
         init_overrides=json.loads(args.init_override),
         max_body_bytes=args.max_body_bytes,
+        workdir=Path(args.workdir) if args.workdir else None,
+        worker_index=args.worker_index,
+        world_size=args.world_size,
     )
     thread = ServerThread(ControlServer(engine, receiver, cfg), log_level=args.log_level).start()
     print(f"weightsync control server listening on {thread.url}", flush=True)

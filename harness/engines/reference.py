@@ -14,8 +14,10 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from harness.api import (
     Engine,
@@ -76,6 +78,7 @@ class ReferenceEngine(Engine):
         }
         self._live = tiny_lm.fuse(checkpoint)
         self._version = 0
+        self._asleep = False  # weights offloaded (vLLM's sleep level 1/2): no forward pass, no commit
 
         self._lock = threading.RLock()  # held by every step and by commit
         self._cond = threading.Condition(self._lock)
@@ -135,6 +138,7 @@ class ReferenceEngine(Engine):
         """The committed version: while an in-place load is open (no forward pass runs), the values a
         rollback would restore stand in for those it has written."""
         with self._priority():
+            self._refuse_while_asleep("read_weights")
             weights = {n: t.clone() for n, t in tiny_lm.unfuse(self._live, self.config).items()}
             if self._loading is not None:
                 weights.update({n: t.clone() for n, t in self._loading.undo.items()})
@@ -191,6 +195,7 @@ class ReferenceEngine(Engine):
 
     def resume(self) -> None:
         with self._priority():
+            self._refuse_while_asleep("resume")
             self._paused = False
             self._cond.notify_all()
 
@@ -213,7 +218,8 @@ class ReferenceEngine(Engine):
                 )
 
     def _refuse_while_loading(self, version: int) -> None:
-        """Under the step lock: one version at a time, whole swap or in-place load."""
+        """Under the step lock: one version at a time, whole swap or in-place load; none while asleep."""
+        self._refuse_while_asleep(f"version {version}")
         if self._loading is not None:
             raise EngineStateError(
                 f"version {version}: an in-place load of version {self._loading.version} is open"
@@ -257,6 +263,55 @@ class ReferenceEngine(Engine):
                             raise ManifestMismatch(
                                 f"version {version}: {n!r} is part of a fused group; {missing} must be sent with it"
                             )
+
+    # ------------------------------------------------------------------ sleep (vLLM's /sleep, /wake_up)
+    def _refuse_while_asleep(self, what: str) -> None:
+        if self._asleep:
+            raise EngineStateError(f"{what}: the engine is asleep (weights offloaded); call wake_up first")
+
+    def offload_weights(self, path: Path | None) -> None:
+        """Free the live weights of a paused engine: into a safetensors file at `path` (vLLM's level 1,
+        which wake restores bit for bit), or nowhere (path None: level 2, whose wake gives zeros)."""
+        with self._priority():
+            if not self._paused:
+                raise EngineStateError("offload_weights on a running engine; pause it first")
+            if self._asleep:
+                return
+            if self._loading is not None:
+                raise EngineStateError(f"an in-place load of version {self._loading.version} is open")
+            if path is not None:
+                checkpoint = tiny_lm.unfuse(self._live, self.config)
+                save_file({n: t.detach().clone().contiguous() for n, t in checkpoint.items()}, str(path))
+            self._live = {}
+            self._prefix_cache.clear()
+            self._asleep = True
+
+    def restore_weights(self, path: Path | None) -> None:
+        """Load the weights offload_weights freed: from `path`, or zeros of the spec (path None)."""
+        with self._priority():
+            if not self._asleep:
+                return
+            if path is not None:
+                checkpoint = load_file(str(path))
+            else:
+                checkpoint = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in self._spec.items()}
+            self._live = tiny_lm.fuse(checkpoint)
+            self._asleep = False
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of weights the engine holds now (0 while asleep at level 1 or 2)."""
+        with self._priority():
+            return sum(t.numel() * t.element_size() for t in self._live.values())
+
+    def zero_weights(self) -> None:
+        """Zero every weight in place, the version unchanged (vLLM's weight_checker action 'reset')."""
+        with self._priority():
+            self._refuse_while_asleep("zero_weights")
+            if self._loading is not None:
+                raise EngineStateError(f"an in-place load of version {self._loading.version} is open")
+            for t in self._live.values():
+                t.zero_()
+            self._prefix_cache.clear()
 
     def shutdown(self) -> None:
         with self._priority():

@@ -47,7 +47,7 @@ def test_push_over_http_lands_bit_for_bit_and_serves_the_new_version(served):
         w = weights_for(served.engine, seed=version)
         served.push(version, w)
         assert_bitwise_equal(w, served.engine.read_weights(), f"after pushing version {version} over HTTP")
-        info = served.client.weight_info()
+        info = served.client.weight_status()
         assert (info["weight_version"], info["engine_version"]) == (str(version), version), (
             f"weight_info {info}"
         )
@@ -78,7 +78,7 @@ def test_broadcast_data_plane_behind_the_server(tmp_path):
         w = weights_for(engine, seed=5)
         push(deployment, 1, w)
         assert_bitwise_equal(w, engine.read_weights(), "broadcast bytes, HTTP control")
-        assert client.weight_info()["engine_version"] == 1
+        assert client.weight_status()["engine_version"] == 1
     finally:
         deployment.close()
         thread.stop()
@@ -182,7 +182,7 @@ def test_out_of_order_calls_are_refused_and_the_server_recovers(served):
     with pytest.raises(VersionError, match="not newer"):
         c.update_weights(info)  # version 1 again, now that 1 is committed
     c.abort_weight_update()
-    assert served.engine.weight_version == 1 and not c.weight_info()["update_in_progress"]
+    assert served.engine.weight_version == 1 and not c.weight_status()["update_in_progress"]
 
 
 def test_refused_update_weights_poisons_the_finish(served, commits):
@@ -217,12 +217,12 @@ def test_version_labels_follow_vllm(served):
     c.start_weight_update()
     c.update_weights(served.deployment.sender.prepare(1, weights_for(served.engine, seed=1)))
     c.finish_weight_update("step-1")
-    info = c.weight_info()
+    info = c.weight_status()
     assert (info["weight_version"], info["engine_version"]) == ("step-1", 1), info
     c.update_weight_version("policy-7")
     assert c.weight_info()["weight_version"] == "policy-7" and served.engine.weight_version == 1
     c.start_weight_update()
     c.update_weights(served.deployment.sender.prepare(2, weights_for(served.engine, seed=2)))
     c.finish_weight_update(None)  # what vLLM's HTTPVLLMWeightSyncClient sends: no body at all
-    info = c.weight_info()
+    info = c.weight_status()
     assert (info["weight_version"], info["engine_version"]) == ("2", 2), info
