@@ -7,7 +7,7 @@ hand), nothing leaked. The verdict lands in the results JSON ("fault_cell") for 
 
     pytest suites/faults --weightsync-backend=ipc --weightsync-fault-seeds=20
     pytest suites/faults -k "receiver-kill and disk" --weightsync-fault-seed=1234    # rerun one cell
-    pytest suites/faults --hypothesis-profile=thorough     # + seeds drawn by hypothesis, 10 per cell
+    pytest suites/faults --weightsync-hypothesis-profile=thorough  # + seeds drawn by hypothesis, 10 per cell
 
 Under the thorough profile hypothesis draws the seeds (`test_fault_cell_drawn`): a failing one is printed
 ("Falsifying example: ... seed=N", rerun it with --weightsync-fault-seed=N) and kept in hypothesis'
@@ -94,7 +94,7 @@ def test_fault_cell(fault_cell, weightsync_selection, tmp_path, request):
 def test_fault_cell_drawn(drawn_cell, weightsync_selection, tmp_path, request):
     """The thorough profile's cells: hypothesis draws the seed (and so the fault point)."""
     if not _thorough():
-        pytest.skip("seeds drawn by hypothesis run under --hypothesis-profile=thorough")
+        pytest.skip("seeds drawn by hypothesis run under --weightsync-hypothesis-profile=thorough")
     backend_name, kind = drawn_cell
 
     @settings(

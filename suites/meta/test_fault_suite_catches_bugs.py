@@ -54,7 +54,7 @@ def test_thorough_profile_draws_seeds_and_prints_the_failing_one(pytester):
         pytester,
         "make_no_retry_control_backend",
         "drawn and http-answer-lost",
-        "--hypothesis-profile=thorough",
+        "--weightsync-hypothesis-profile=thorough",
         "--weightsync-fault-seeds=2",
     )
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
