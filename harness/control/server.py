@@ -13,7 +13,8 @@ Routes and bodies follow vLLM 0.32's dev mode (VLLM_SERVER_DEV_MODE=1) so one cl
     POST /v1/completions  (token-id prompts, greedy, SSE streaming with per-token weight versions)
 
 Beyond vLLM (vLLM's dev routes have no auth at all):
-- a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it;
+- a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it
+  (no token only on a loopback address, announced at start; other addresses refuse to start);
 - bodies bounded in size (413) and validated strictly: unknown fields and wrong types are refused
   with vLLM's error object (400, `param` naming the field); a lifecycle step out of order is a 409,
   decided before the body is read;
@@ -38,6 +39,7 @@ import concurrent.futures as cf
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -84,14 +86,36 @@ log = logging.getLogger("weightsync.control")
 SERVER_NAME = "weightsync"
 DEFAULT_HOST = "127.0.0.1"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+TOKEN_VARIABLES = ("WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY")  # ours first; vLLM's --api-key variable
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` leaves the port reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost, or "" (every address)
+        return False
+
+
+def token_from_environment(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer token from $WEIGHTSYNC_CONTROL_TOKEN, else $VLLM_API_KEY (so a deployment that
+    sets vLLM's key and clients that send `Authorization: Bearer <key>` work unchanged)."""
+    for name in TOKEN_VARIABLES:
+        if environ.get(name):
+            return environ[name]
+    return None
 
 
 # --------------------------------------------------------------------------------------------- config
 @dataclasses.dataclass
 class ServerConfig:
-    """How a control server is exposed. `token` is required: there is no unauthenticated mode."""
+    """How a control server is exposed. `token=None` turns authentication off, which only a loopback
+    address allows (the port is then reachable from this machine alone); any other address refuses to
+    start without a token."""
 
-    token: str
+    token: str | None
     host: str = DEFAULT_HOST
     port: int = 0  # 0: an ephemeral port, read back from ServerThread.port
     allowed_dirs: tuple[Path, ...] = ()  # file paths in init_info/update_info must lie under one of these
@@ -108,9 +132,21 @@ class ServerConfig:
     workdir: Path | None = None  # where /sleep offloads weights; None: a temporary directory
 
     def __post_init__(self) -> None:
-        if not isinstance(self.token, str) or len(self.token) < 16:
+        if self.token is None:
+            if not is_loopback(self.host):
+                raise ValueError(
+                    f"no control token for host {self.host!r}: a server on a non-loopback address requires "
+                    f"one (set {' or '.join(TOKEN_VARIABLES)}, or pass --token-file); bind 127.0.0.1 to run "
+                    "without authentication"
+                )
+        elif not isinstance(self.token, str) or len(self.token) < 16:
             raise ValueError("the control token must be a string of at least 16 characters")
         self.allowed_dirs = tuple(Path(d) for d in self.allowed_dirs)
+
+    @property
+    def auth(self) -> bool:
+        """Whether mutating routes require the bearer token."""
+        return self.token is not None
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -202,9 +238,9 @@ class Guard:
 
     SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
-    def __init__(self, app, token: str, max_body_bytes: int):
+    def __init__(self, app, token: str | None, max_body_bytes: int):
         self.app = app
-        self._token = f"Bearer {token}".encode()
+        self._token = None if token is None else f"Bearer {token}".encode()  # None: authentication off
         self.max_body_bytes = max_body_bytes
 
     @staticmethod
@@ -224,6 +260,8 @@ class Guard:
         await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        if self._token is None:
+            return True
         values = [v for k, v in headers if k.lower() == b"authorization"]
         return len(values) == 1 and hmac.compare_digest(values[0], self._token)
 
@@ -1062,11 +1100,11 @@ class ControlServer:
             srv._query(request, ())
             return srv.stats()
 
-        self._document_bodies(app)
+        self._document_bodies(app, auth=self.config.auth)
         return app
 
     @staticmethod
-    def _document_bodies(app: FastAPI) -> None:
+    def _document_bodies(app: FastAPI, auth: bool) -> None:
         """Bodies are parsed by hand (strictly); put their schemas in the OpenAPI document anyway."""
         bodies = {
             "/init_weight_transfer_engine": schemas.InitWeightTransferBody,
@@ -1105,7 +1143,8 @@ class ControlServer:
                         "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
                     },
                 }
-            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            if auth:
+                doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             app.openapi_schema = doc
             return doc
 
@@ -1183,6 +1222,12 @@ class ServerThread:
                 raise TimeoutError(f"control server did not start within {timeout}s")
             self._thread.join(0.01)
         self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        if not self.server.config.auth:
+            log.warning(
+                "control server on %s: authentication is off (no token; loopback only, so any process on "
+                "this machine may call every route)",
+                self.url,
+            )
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -1205,9 +1250,10 @@ def serve(
     port: int = 0,
     **config: Any,
 ) -> ServerThread:
-    """Start a control server in this process (a random token when none is given: read it back from
-    `.server.config.token`). Binds loopback unless `host` says otherwise."""
-    cfg = ServerConfig(token=token or secrets.token_urlsafe(32), host=host, port=port, **config)
+    """Start a control server in this process (the token from the environment when none is given, else
+    a random one: read it back from `.server.config.token`). Binds loopback unless `host` says otherwise."""
+    token = token or token_from_environment() or secrets.token_urlsafe(32)
+    cfg = ServerConfig(token=token, host=host, port=port, **config)
     return ServerThread(ControlServer(engine, receiver, cfg)).start()
 
 
@@ -1220,7 +1266,8 @@ RECEIVERS = {
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m harness.control.server --path disk --allowed-dir DIR`; the token comes from
-    $WEIGHTSYNC_CONTROL_TOKEN or --token-file (never the command line, which `ps` shows)."""
+    --token-file, $WEIGHTSYNC_CONTROL_TOKEN or $VLLM_API_KEY (never the command line, which `ps` shows).
+    Without one the server runs unauthenticated on a loopback address (and says so) and refuses any other."""
     from harness.registry import load_object, make_engine
 
     ap = argparse.ArgumentParser(prog="python -m harness.control.server", description=main.__doc__)
@@ -1245,17 +1292,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
-    token = (
-        Path(args.token_file).read_text().strip()
-        if args.token_file
-        else os.environ.get("WEIGHTSYNC_CONTROL_TOKEN")
-    )
-    if not token:
-        ap.error("no token: set WEIGHTSYNC_CONTROL_TOKEN or pass --token-file")
+    token = Path(args.token_file).read_text().strip() if args.token_file else token_from_environment()
+    if not token and not is_loopback(args.host):
+        ap.error(
+            f"no token for --host {args.host}: a non-loopback address requires one; set "
+            f"{' or '.join(TOKEN_VARIABLES)} or pass --token-file"
+        )
     engine = make_engine(args.engine, None)
     receiver = load_object(RECEIVERS.get(args.path, args.path))(engine)
     cfg = ServerConfig(
-        token=token,
+        token=token or None,
         host=args.host,
         port=args.port,
         allowed_dirs=tuple(Path(d) for d in args.allowed_dir),
@@ -1267,6 +1313,11 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world_size,
     )
     thread = ServerThread(ControlServer(engine, receiver, cfg), log_level=args.log_level).start()
+    if not cfg.auth:
+        print(
+            f"weightsync control server: authentication is off (no token; {args.host} is loopback)",
+            flush=True,
+        )
     print(f"weightsync control server listening on {thread.url}", flush=True)
     try:
         while thread._thread.is_alive():
