@@ -1,16 +1,11 @@
 """A FastAPI control plane with vLLM's dev-mode routes, in front of any Engine + Receiver.
 
-Routes and bodies follow vLLM 0.32's dev mode (VLLM_SERVER_DEV_MODE=1) so one client drives either:
-
-    POST /pause?mode=abort|wait|keep&clear_cache=   POST /resume          GET /is_paused
-    POST /abort_requests {request_ids?}             POST /init_weight_transfer_engine {init_info}
-    POST /start_weight_update                       POST /update_weights {update_info}
-    POST /finish_weight_update {weight_version?}    POST /update_weight_version {new_version}
-    GET  /weight_info  -> {"weight_version"}          POST /reset_prefix_cache
-    POST /shutdown_weight_transfer_engine           GET  /get_world_size?include_dp=
-    POST /sleep?level=0|1|2&mode=   POST /wake_up?tags=   GET /is_sleeping
-    POST /weight_checker {action: checksum|reset|compare, baseline?}
-    POST /v1/completions  (token-id prompts, greedy, SSE streaming with per-token weight versions)
+Routes and bodies follow vLLM 0.32's RL API (VLLM_SERVER_DEV_MODE=1) so one client drives either; the
+route table, with each route's body, query, precondition and error statuses, is
+`harness.control.routes.ROUTES` (and this server's /openapi.json). The weight lifecycle
+(/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update), pause
+and sleep, /weight_info and /weight_checker, and /v1/completions (token-id prompts, greedy, SSE with
+per-token weight versions).
 
 Beyond vLLM (vLLM's dev routes have no auth at all):
 - a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it
@@ -22,8 +17,8 @@ Beyond vLLM (vLLM's dev routes have no auth at all):
   allowed hosts;
 - an `Idempotency-Key` header on mutating routes: a retry with the same key gets the first answer
   and never runs the operation twice; a finish of the version already committed is recognised;
-- extensions: POST /abort_weight_update, GET /weight_spec, GET /weight_status (the engine version,
-  an open update, this server's name), GET /stats, GET /health.
+- extensions (the table's `vllm=False` routes): /abort_weight_update, /weight_spec, /weight_status
+  (the engine version, an open update, this server's name), /stats.
 
 Tensors never cross HTTP: update_info carries the manifest and the data plane's coordinates, and the
 receiver fetches the bytes itself. Every blocking engine or receiver call runs in a worker thread,
