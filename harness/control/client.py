@@ -37,6 +37,7 @@ from harness.api import (
     TransferError,
     WeightSyncError,
 )
+from harness.control import routes
 
 UNKNOWN_VERSION = -1  # TokenEvent.weight_version when the server does not report it (vLLM)
 
@@ -195,7 +196,9 @@ class ControlClient:
         keyed: bool = False,
     ) -> httpx.Response:
         """One logical call with retries. `repeatable`: running it twice is harmless. `keyed`: send one
-        Idempotency-Key for all attempts, and retry unknown outcomes if the server de-duplicates."""
+        Idempotency-Key for all attempts, and retry unknown outcomes if the server de-duplicates. A call
+        the route table lacks (`harness.control.routes.ROUTES`) is a ValueError, never sent."""
+        routes.check_call(method, path, params or ())
         headers = dict(self._headers)
         dedupes = False
         if keyed and self.uses_idempotency_keys():
@@ -466,6 +469,7 @@ class RemoteStream(RequestStream):
         rid = self.request.request_id
         index, version = 0, UNKNOWN_VERSION
         try:
+            routes.check_call("POST", "/v1/completions")
             with c._http.stream(
                 "POST",
                 "/v1/completions",

@@ -1,19 +1,15 @@
 """A FastAPI control plane with vLLM's dev-mode routes, in front of any Engine + Receiver.
 
-Routes and bodies follow vLLM 0.32's dev mode (VLLM_SERVER_DEV_MODE=1) so one client drives either:
-
-    POST /pause?mode=abort|wait|keep&clear_cache=   POST /resume          GET /is_paused
-    POST /abort_requests {request_ids?}             POST /init_weight_transfer_engine {init_info}
-    POST /start_weight_update                       POST /update_weights {update_info}
-    POST /finish_weight_update {weight_version?}    POST /update_weight_version {new_version}
-    GET  /weight_info  -> {"weight_version"}          POST /reset_prefix_cache
-    POST /shutdown_weight_transfer_engine           GET  /get_world_size?include_dp=
-    POST /sleep?level=0|1|2&mode=   POST /wake_up?tags=   GET /is_sleeping
-    POST /weight_checker {action: checksum|reset|compare, baseline?}
-    POST /v1/completions  (token-id prompts, greedy, SSE streaming with per-token weight versions)
+Routes and bodies follow vLLM 0.32's RL API (VLLM_SERVER_DEV_MODE=1) so one client drives either; the
+route table, with each route's body, query, precondition and error statuses, is
+`harness.control.routes.ROUTES` (and this server's /openapi.json). The weight lifecycle
+(/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update), pause
+and sleep, /weight_info and /weight_checker, and /v1/completions (token-id prompts, greedy, SSE with
+per-token weight versions).
 
 Beyond vLLM (vLLM's dev routes have no auth at all):
-- a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it;
+- a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it
+  (no token only on a loopback address, announced at start; other addresses refuse to start);
 - bodies bounded in size (413) and validated strictly: unknown fields and wrong types are refused
   with vLLM's error object (400, `param` naming the field); a lifecycle step out of order is a 409,
   decided before the body is read;
@@ -21,8 +17,8 @@ Beyond vLLM (vLLM's dev routes have no auth at all):
   allowed hosts;
 - an `Idempotency-Key` header on mutating routes: a retry with the same key gets the first answer
   and never runs the operation twice; a finish of the version already committed is recognised;
-- extensions: POST /abort_weight_update, GET /weight_spec, GET /weight_status (the engine version,
-  an open update, this server's name), GET /stats, GET /health.
+- extensions (the table's `vllm=False` routes): /abort_weight_update, /weight_spec, /weight_status
+  (the engine version, an open update, this server's name), /stats.
 
 Tensors never cross HTTP: update_info carries the manifest and the data plane's coordinates, and the
 receiver fetches the bytes itself. Every blocking engine or receiver call runs in a worker thread,
@@ -37,7 +33,7 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import hashlib
-import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -48,50 +44,89 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from harness import wire
+from harness import lifecycle, wire
 from harness.api import (
-    BackendError,
     Engine,
     EngineStateError,
-    GenerationRequest,
     LifecycleError,
     ManifestMismatch,
     Receiver,
     TokenEvent,
-    TransferError,
-    UnknownTensorError,
     VersionError,
     WeightSyncError,
 )
-from harness.control import schemas
+from harness.control import routes, schemas
+from harness.control.errors import (
+    ApiError,
+    ErrorResponse,
+    api_error,
+    install_handlers,
+    invalid,
+    validation_error,
+)
+from harness.control.guard import Guard
+from harness.control.idempotency import IdempotencyCache, fingerprint
 from harness.control.schemas import BadRequest
+from harness.control.streaming import Completions, Live
 from harness.manifest import Manifest
+
+__all__ = [
+    "ApiError",
+    "ControlServer",
+    "Guard",
+    "IdempotencyCache",
+    "ServerConfig",
+    "ServerThread",
+    "is_loopback",
+    "main",
+    "serve",
+    "token_from_environment",
+]
 
 log = logging.getLogger("weightsync.control")
 
 SERVER_NAME = "weightsync"
 DEFAULT_HOST = "127.0.0.1"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+TOKEN_VARIABLES = ("WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY")  # ours first; vLLM's --api-key variable
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` leaves the port reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost, or "" (every address)
+        return False
+
+
+def token_from_environment(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer token from $WEIGHTSYNC_CONTROL_TOKEN, else $VLLM_API_KEY (so a deployment that
+    sets vLLM's key and clients that send `Authorization: Bearer <key>` work unchanged)."""
+    for name in TOKEN_VARIABLES:
+        if environ.get(name):
+            return environ[name]
+    return None
 
 
 # --------------------------------------------------------------------------------------------- config
 @dataclasses.dataclass
 class ServerConfig:
-    """How a control server is exposed. `token` is required: there is no unauthenticated mode."""
+    """How a control server is exposed. `token=None` turns authentication off, which only a loopback
+    address allows (the port is then reachable from this machine alone); any other address refuses to
+    start without a token."""
 
-    token: str
+    token: str | None
     host: str = DEFAULT_HOST
     port: int = 0  # 0: an ephemeral port, read back from ServerThread.port
     allowed_dirs: tuple[Path, ...] = ()  # file paths in init_info/update_info must lie under one of these
@@ -108,240 +143,27 @@ class ServerConfig:
     workdir: Path | None = None  # where /sleep offloads weights; None: a temporary directory
 
     def __post_init__(self) -> None:
-        if not isinstance(self.token, str) or len(self.token) < 16:
+        if self.token is None:
+            if not is_loopback(self.host):
+                raise ValueError(
+                    f"no control token for host {self.host!r}: a server on a non-loopback address requires "
+                    f"one (set {' or '.join(TOKEN_VARIABLES)}, or pass --token-file); bind 127.0.0.1 to run "
+                    "without authentication"
+                )
+        elif not isinstance(self.token, str) or len(self.token) < 16:
             raise ValueError("the control token must be a string of at least 16 characters")
         self.allowed_dirs = tuple(Path(d) for d in self.allowed_dirs)
 
-
-# --------------------------------------------------------------------------------------------- errors
-BAD_REQUEST = "Bad Request"  # vLLM's error type for a request that fails validation (the status phrase)
-
-
-class ApiError(Exception):
-    """An error answer in vLLM's ErrorResponse shape: status, a type name the client maps back to a
-    harness error, a message, and `param`, the refused field ("query.mode", "body.new_version")."""
-
-    def __init__(self, status: int, type_: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.type, self.message, self.param = status, type_, message, param
-
-    def payload(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
-        }
-
-
-def invalid(message: str, param: str | None) -> ApiError:
-    """A request that fails validation: vLLM answers 400 with the field named in `param`."""
-    return ApiError(400, BAD_REQUEST, message, param)
-
-
-_STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
-    (BadRequest, 400),
-    (BackendError, 400),
-    (LifecycleError, 409),
-    (VersionError, 409),
-    (EngineStateError, 409),
-    (UnknownTensorError, 422),
-    (ManifestMismatch, 422),
-    (TransferError, 502),  # the data plane failed: not the caller's request
-    (TimeoutError, 504),
-    (ValueError, 400),  # engines raise it for requests they refuse (prompt outside the vocab, ...)
-)
-
-
-def api_error(exc: BaseException) -> ApiError | None:
-    for cls, status in _STATUS_OF:
-        if isinstance(exc, cls):
-            param = getattr(exc, "param", None)
-            if param is not None:  # a field that fails validation: vLLM's 400, whoever refused it
-                return invalid(str(exc), param)
-            return ApiError(status, type(exc).__name__, str(exc))
-    return None
-
-
-# pydantic names union branches and validator wrappers in an error's location; a client knows fields
-_SCHEMA_KINDS = frozenset(
-    {"function-after", "function-before", "function-wrap", "function-plain", "nullable"}
-)
-_SCHEMA_KINDS |= frozenset({"union", "tagged-union", "lax-or-strict", "json-or-python", "chain", "default"})
-_SCHEMA_KINDS |= frozenset({"str", "int", "float", "bool", "list", "dict", "none", "constrained-str"})
-
-
-def _field_path(loc: tuple[Any, ...], prefix: str) -> str:
-    """`prefix.field.sub`: a pydantic error location as vLLM's `param` spells it."""
-    parts = [prefix] if prefix and (not loc or loc[0] != prefix) else []
-    for p in loc:
-        text = str(p)
-        if (
-            any(c in text for c in "[](){}")
-            or text.lower() in _SCHEMA_KINDS
-            or text.startswith("constrained-")
-        ):
-            continue
-        parts.append(text)
-    return ".".join(parts)
-
-
-def validation_error(exc: ValidationError | RequestValidationError, prefix: str = "body") -> ApiError:
-    """400 naming the first refused field in `param`, the first ten errors in the message."""
-    errors = exc.errors()
-    parts = []
-    for err in errors[:10]:
-        parts.append(f"{_field_path(tuple(err.get('loc', ())), prefix)}: {err.get('msg', 'invalid')}")
-    param = _field_path(tuple(errors[0].get("loc", ())), prefix) if errors else prefix
-    return invalid("; ".join(parts) or "validation error", param)
-
-
-# --------------------------------------------------------------------------------------------- ASGI guard
-class Guard:
-    """Outermost ASGI layer: bearer token on mutating methods, then a bounded, buffered body.
-
-    Runs before routing and parsing, so an unauthenticated or oversized request costs no parsing and
-    reaches no handler."""
-
-    SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-    def __init__(self, app, token: str, max_body_bytes: int):
-        self.app = app
-        self._token = f"Bearer {token}".encode()
-        self.max_body_bytes = max_body_bytes
-
-    @staticmethod
-    async def _reply(send, status: int, type_: str, message: str, headers: list | None = None) -> None:
-        body = json.dumps(ApiError(status, type_, message).payload()).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ]
-                + (headers or []),
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        values = [v for k, v in headers if k.lower() == b"authorization"]
-        return len(values) == 1 and hmac.compare_digest(values[0], self._token)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = scope.get("headers", [])
-        if scope["method"] not in self.SAFE_METHODS and not self._authorized(headers):
-            await self._reply(
-                send,
-                401,
-                "Unauthorized",
-                "missing or invalid bearer token",
-                [(b"www-authenticate", b"Bearer")],
-            )
-            return
-        lengths = [v for k, v in headers if k.lower() == b"content-length"]
-        if lengths:
-            if len(lengths) > 1 or not lengths[0].isdigit():
-                await self._reply(send, 400, "BadRequest", "malformed Content-Length")
-                return
-            if int(lengths[0]) > self.max_body_bytes:
-                await self._reply(
-                    send,
-                    413,
-                    "PayloadTooLarge",
-                    f"body of {int(lengths[0])} bytes > limit {self.max_body_bytes}",
-                )
-                return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._reply(
-                    send, 413, "PayloadTooLarge", f"body larger than the limit {self.max_body_bytes}"
-                )
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay():
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later calls wait for the disconnect, as streaming responses expect
-
-        await self.app(scope, replay, send)
-
-
-# --------------------------------------------------------------------------------------------- idempotency
-class IdempotencyCache:
-    """Answers of mutating requests by `Idempotency-Key`, so a retry never runs an operation twice.
-
-    A retry that arrives while the first attempt still runs waits for that attempt's answer. The
-    operation runs as its own task, so a client that disconnects cannot cancel it half-way."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._entries: collections.OrderedDict[str, tuple[str, asyncio.Future]] = collections.OrderedDict()
-        self.replays = 0
-
-    def knows(self, key: str | None) -> bool:
-        """Whether `key` has an answer here (given or on its way): its retry replays, never re-runs."""
-        return key is not None and key in self._entries
-
-    async def run(
-        self, key: str, fingerprint: str, op: Callable[[], Awaitable[tuple[int, dict[str, Any]]]]
-    ) -> tuple[int, dict[str, Any]]:
-        entry = self._entries.get(key)
-        if entry is not None:
-            if entry[0] != fingerprint:
-                raise ApiError(
-                    422, "IdempotencyKeyReused", f"Idempotency-Key {key!r} was used for another request"
-                )
-            self._entries.move_to_end(key)
-            self.replays += 1
-            return await asyncio.shield(entry[1])
-        task = asyncio.ensure_future(op())
-        self._entries[key] = (fingerprint, task)
-        while len(self._entries) > self.capacity:
-            oldest = next(iter(self._entries))
-            if not self._entries[oldest][1].done():
-                break
-            del self._entries[oldest]
-        try:
-            return await asyncio.shield(task)
-        except BaseException:
-            if task.done() and task.exception() is not None:
-                self._entries.pop(key, None)  # an unexpected crash is not an answer worth replaying
-            raise
-
-
-# --------------------------------------------------------------------------------------------- requests
-@dataclasses.dataclass
-class _Live:
-    """One /v1/completions request: the engine's stream, and the queue its pump thread fills."""
-
-    request_id: str
-    stream: Any  # RequestStream
-    queue: asyncio.Queue
-    created: int
-    closed: bool = False
-    outcome: str | None = None  # length | stop | abort | disconnected
-    tokens: int = 0
+    @property
+    def auth(self) -> bool:
+        """Whether mutating routes require the bearer token."""
+        return self.token is not None
 
 
 # --------------------------------------------------------------------------------------------- server
-class ControlServer:
-    """The control plane for one engine and the receiver that delivers into it."""
+class ControlServer(Completions):
+    """The control plane for one engine and the receiver that delivers into it. Its routes are
+    `harness.control.routes.ROUTES`; each names the `on_*` coroutine here that answers it."""
 
     def __init__(self, engine: Engine, receiver: Receiver, config: ServerConfig):
         self.engine = engine
@@ -351,16 +173,17 @@ class ControlServer:
         self._query_pool = cf.ThreadPoolExecutor(4, thread_name_prefix="control-query")
         self._pause_lock = threading.Lock()  # pause, resume and abort-all never interleave
         self._state_lock = threading.Lock()  # the lifecycle bookkeeping below
-        self._updating = False  # a start_weight_update is open
-        self._staged_version: int | None = None  # version of the update_info accepted in this update
-        self._update_failure: str | None = None  # why this update can no longer commit
+        # Where the update stands, as every receiver keeps it: open (UPDATING, or FAILED after a refused
+        # part), the version staged in it, why it can no longer commit. The receiver enforces the order;
+        # the server reads it to answer 409 before a body is read, and to recognise a retried finish.
+        self.lifecycle = lifecycle.Lifecycle()
         self._label: str | None = None  # vLLM-style version label, reported by /weight_info
         self._asleep: set[str] = set()  # what /sleep put to sleep and /wake_up has not woken yet
         self._sleep_level = 0
         self._own_workdir = config.workdir is None
         self.workdir = Path(config.workdir or tempfile.mkdtemp(prefix="weightsync-control-"))
         self._idempotency = IdempotencyCache(config.idempotency_capacity)
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self.counters = collections.Counter()  # submitted, completed, aborted, disconnected, commits, ...
         self._ids = itertools.count()
         self._closing = False
@@ -381,8 +204,14 @@ class ControlServer:
                 raise
             raise err from exc
 
+    @property
+    def _updating(self) -> bool:
+        """A start_weight_update is open (a refused part keeps it open until finish or abort)."""
+        return self.lifecycle.state in (lifecycle.UPDATING, lifecycle.FAILED)
+
     @staticmethod
-    def _query(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
+    def _query(request: Request, allowed: tuple[str, ...], lists: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The query as {name: value}, refusing unknown and repeated names (`lists` may repeat: a list)."""
         params = request.query_params
         unknown = sorted(set(params.keys()) - set(allowed))
         if unknown:
@@ -393,6 +222,9 @@ class ControlServer:
         out = {}
         for k in params:
             values = params.getlist(k)
+            if k in lists:
+                out[k] = values
+                continue
             if len(values) != 1:
                 raise invalid(f"query parameter {k!r} given {len(values)} times", f"query.{k}")
             out[k] = values[0]
@@ -431,13 +263,8 @@ class ControlServer:
                     f"Idempotency-Key must match {schemas.IDEMPOTENCY_KEY_RE.pattern}",
                     "header.idempotency-key",
                 )
-            dumped = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
-            fingerprint = hashlib.sha256(
-                json.dumps(
-                    [request.url.path, sorted(request.query_params.multi_items()), dumped], sort_keys=True
-                ).encode()
-            ).hexdigest()
-            status, payload = await self._idempotency.run(key, fingerprint, run)
+            bound_to = fingerprint(request.url.path, request.query_params.multi_items(), body)
+            status, payload = await self._idempotency.run(key, bound_to, run)
         return JSONResponse(payload, status_code=status)
 
     # ------------------------------------------------------------------ lifecycle (run in threads)
@@ -449,7 +276,7 @@ class ControlServer:
         info = {**init_info, **self.config.init_overrides}
         with self._state_lock:
             self.receiver.init_transfer_engine(info)
-            self._updating, self._staged_version, self._update_failure = False, None, None
+            self.lifecycle.to(lifecycle.READY)
         return {"message": "Weight transfer initialized"}
 
     def _start(self) -> dict[str, Any]:
@@ -459,7 +286,7 @@ class ControlServer:
             )
         with self._state_lock:
             self.receiver.start_weight_update()
-            self._updating, self._staged_version, self._update_failure = True, None, None
+            self.lifecycle.to(lifecycle.UPDATING)
         return {"message": "Weight update started"}
 
     def _check_manifest_bounds(self, update_info: Mapping[str, Any]) -> None:
@@ -506,16 +333,16 @@ class ControlServer:
                 self.receiver.update_weights(update_info)
             except WeightSyncError as exc:
                 if self._updating:  # a refused part poisons the update: finish must not commit the rest
-                    self._update_failure = f"{type(exc).__name__}: {exc}"
+                    self.lifecycle.fail(exc)
                 raise
-            self._staged_version = int(update_info["manifest"]["version"])
+            self.lifecycle.accepted(int(update_info["manifest"]["version"]))
         return {"message": "Weights updated"}
 
     def _finish(self, weight_version: int | str | None) -> dict[str, Any]:
         version, label = schemas.parse_version(weight_version)
         with self._state_lock:
             committed = self.engine.weight_version
-            if version is not None and version == committed and self._staged_version != version:
+            if version is not None and version == committed and self.lifecycle.version != version:
                 # a retry of a finish that already landed (its answer was lost): recognised, not re-applied
                 self.counters["finish_recognised"] += 1
                 return {
@@ -527,25 +354,25 @@ class ControlServer:
                 raise VersionError(
                     f"finish_weight_update({version}) but version {committed} is already committed"
                 )
-            if self._update_failure is not None:
-                failure = self._update_failure
+            if self.lifecycle.failure is not None:
+                failure = self.lifecycle.failure
                 self.receiver.abort_weight_update()
-                self._updating, self._staged_version, self._update_failure = False, None, None
+                self.lifecycle.to(lifecycle.READY)
                 raise LifecycleError(f"finish_weight_update after a refused update_weights: {failure}")
             if version is None:
-                if self._staged_version is None:
+                if self.lifecycle.version is None:
                     raise LifecycleError(
                         "finish_weight_update with nothing staged; call update_weights first"
                     )
-                version = self._staged_version
+                version = self.lifecycle.version
             try:
                 self.receiver.finish_weight_update(version)
             except VersionError:
                 raise  # a wrong version leaves the update open, as the receiver does
             except BaseException:
-                self._updating, self._staged_version = False, None
+                self.lifecycle.to(lifecycle.READY)
                 raise
-            self._updating, self._staged_version = False, None
+            self.lifecycle.to(lifecycle.READY)
             self._label = label
             self.counters["commits"] += 1
         return {
@@ -557,13 +384,13 @@ class ControlServer:
     def _abort_update(self) -> dict[str, Any]:
         with self._state_lock:
             self.receiver.abort_weight_update()
-            self._updating, self._staged_version, self._update_failure = False, None, None
+            self.lifecycle.to(lifecycle.READY)
         return {"message": "Weight update aborted", "weight_version": str(self.engine.weight_version)}
 
     def _shutdown_transfer(self) -> dict[str, Any]:
         with self._state_lock:
             self.receiver.shutdown()
-            self._updating, self._staged_version, self._update_failure = False, None, None
+            self.lifecycle.to(lifecycle.NEW)
         return {"message": "Weight transfer shut down"}
 
     def _pause(self, mode: str, clear_cache: bool) -> dict[str, Any]:
@@ -665,161 +492,6 @@ class ControlServer:
         )
         return {"match": not mismatches, "mismatches": mismatches}
 
-    # ------------------------------------------------------------------ generation
-    def _pump(self, live: _Live, loop: asyncio.AbstractEventLoop) -> None:
-        """Forward the engine's events for one request into the event loop, until it finishes."""
-        i = 0
-        while not live.closed and not self._closing:
-            events = live.stream.events_after(i, timeout=0.5)
-            if not events:
-                continue
-            i += len(events)
-            try:
-                loop.call_soon_threadsafe(live.queue.put_nowait, events)
-            except RuntimeError:  # the loop is gone: the server stopped
-                return
-            if events[-1].finish_reason is not None:
-                return
-
-    def _chunk(self, live: _Live, events: list[TokenEvent], finish: str | None) -> dict[str, Any]:
-        tokens = [e for e in events if e.token_id is not None]
-        return {
-            "id": live.request_id,
-            "object": "text_completion",
-            "created": live.created,
-            "model": self.config.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "",
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                    "token_ids": [e.token_id for e in tokens],
-                    "token_weight_versions": [e.weight_version for e in tokens],  # weightsync extension
-                }
-            ],
-        }
-
-    def _usage(self, live: _Live) -> dict[str, int]:
-        n_prompt = len(live.stream.request.prompt_token_ids)
-        return {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": live.tokens,
-            "total_tokens": n_prompt + live.tokens,
-        }
-
-    def _settle(self, live: _Live, outcome: str) -> None:
-        if live.outcome is None:
-            live.outcome = outcome
-            live.closed = True
-            self.counters["completed" if outcome in ("length", "stop") else outcome] += 1
-            self._live.pop(live.request_id, None)
-
-    async def _events(self, live: _Live):
-        """(events, finish_reason) batches of one request, with None batches as keepalive ticks."""
-        while True:
-            try:
-                events = await asyncio.wait_for(live.queue.get(), self.config.keepalive_s)
-            except asyncio.TimeoutError:
-                yield None, None
-                continue
-            finish = events[-1].finish_reason
-            live.tokens += sum(e.token_id is not None for e in events)
-            if finish is not None:
-                self._settle(live, finish)  # counted before the client can see the final chunk
-            yield events, finish
-            if finish is not None:
-                return
-
-    async def _submit(self, body: schemas.CompletionBody) -> _Live:
-        if body.model not in (None, self.config.model_name):
-            raise ApiError(404, "NotFoundError", f"The model `{body.model[:100]}` does not exist.")
-        if self._closing:
-            raise ApiError(503, "ServiceUnavailable", "the server is shutting down")
-        if len(self._live) >= self.config.max_inflight_requests:
-            raise ApiError(
-                429,
-                "TooManyRequests",
-                f"{len(self._live)} requests in flight (limit {self.config.max_inflight_requests})",
-            )
-        rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
-        if rid in self._live:
-            raise ApiError(409, "DuplicateRequestId", f"request id {rid!r} is already in flight")
-        req = GenerationRequest(
-            rid, tuple(body.prompt), body.max_tokens or 16, tuple(body.stop_token_ids or ())
-        )
-        stream = await self._in_thread(lambda: self.engine.submit(req), self._query_pool)
-        self._loop = asyncio.get_running_loop()
-        live = _Live(rid, stream, asyncio.Queue(), int(time.time()))
-        self._live[rid] = live
-        self.counters["submitted"] += 1
-        threading.Thread(
-            target=self._pump, args=(live, asyncio.get_running_loop()), name=f"pump-{rid[:24]}", daemon=True
-        ).start()
-        return live
-
-    async def _completions(self, request: Request):
-        self._query(request, ())
-        body = await self._body(request, schemas.CompletionBody, required=True)
-        live = await self._submit(body)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        if not body.stream:
-            tokens: list[TokenEvent] = []
-            finish = None
-            try:
-                async for events, finish in self._events(live):  # noqa: B007 - the last one is read after
-                    tokens.extend(events or ())
-            finally:
-                self._settle(live, finish or "disconnected")
-            chunk = self._chunk(live, tokens, finish)
-            chunk["usage"] = self._usage(live)
-            return JSONResponse(chunk)
-
-        async def sse():
-            finish = None
-            try:
-                async for events, finish in self._events(live):
-                    if events is None:
-                        yield b": keepalive\n\n"
-                        continue
-                    yield b"data: " + json.dumps(self._chunk(live, events, finish)).encode() + b"\n\n"
-                if include_usage:
-                    usage = {**self._chunk(live, [], None), "choices": [], "usage": self._usage(live)}
-                    yield b"data: " + json.dumps(usage).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-            finally:
-                self._settle(live, finish or "disconnected")
-
-        return StreamingResponse(
-            sse(),
-            media_type="text/event-stream",
-            headers={"x-request-id": live.request_id, "cache-control": "no-cache"},
-        )
-
-    async def _abort_requests(self, body: schemas.AbortRequestsBody) -> dict[str, Any]:
-        if not body.request_ids:
-            n = await self._in_thread(self._abort_all)
-            return {"status": "aborted", "aborted": n}
-        engine_abort = getattr(self.engine, "abort_requests", None)
-        # counted before the engine acts: its abort event may close the stream before the loop below
-        found = [
-            self._live[r]
-            for r in dict.fromkeys(body.request_ids)
-            if r in self._live and not self._live[r].closed
-        ]
-        if callable(engine_abort):
-            await self._in_thread(lambda: engine_abort([live.request_id for live in found]))
-        for live in found:
-            if live.closed:
-                continue
-            # The stream ends here with finish_reason abort; without an engine-side abort the engine
-            # still finishes the request (bounded by max_tokens) and its tokens are dropped.
-            version = self.engine.weight_version
-            live.queue.put_nowait([TokenEvent(live.request_id, live.tokens, None, version, "abort")])
-            live.closed = True
-        return {"status": "aborted", "aborted": len(found)}
-
     def stats(self) -> dict[str, Any]:
         c = self.counters
         return {
@@ -837,247 +509,156 @@ class ControlServer:
         """The engine-side streams of in-flight requests, by request id (for white-box checks)."""
         return {rid: live.stream for rid, live in list(self._live.items())}
 
+    # ------------------------------------------------------------------ routes (registered from routes.ROUTES)
+    async def require_open_update(self, request: Request) -> None:
+        """Start before update: a step out of order is a 409 whatever its body says, so this runs before
+        the body is read; a replay of an answer already given by Idempotency-Key is exempt."""
+        self._require_open_update(request, request.url.path.lstrip("/"))
+
+    async def require_open_update_or_committed(self, request: Request) -> None:
+        """Finish without an open update goes on only when it names a committed version (a retry of the
+        finish that landed is recognised; an older one is a VersionError); the rest is out of order,
+        whatever the body says."""
+        if self._updating:
+            return
+        try:
+            early = await self._body(request, schemas.FinishWeightUpdateBody, required=False)
+            named = schemas.parse_version(early.weight_version)[0]
+        except (ApiError, BadRequest):
+            named = None
+        if named is None or named > self.engine.weight_version:
+            self._require_open_update(request, "finish_weight_update")
+
+    async def on_pause(self, request: Request, q: dict[str, Any], body: Any):
+        mode = q.get("mode", "abort")
+        if mode not in schemas.PAUSE_MODES:
+            raise invalid(f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}", "query.mode")
+        clear_cache = schemas.parse_query_bool("clear_cache", q.get("clear_cache"), True)  # vLLM's default
+        if schemas.parse_query_bool("wait_for_inflight_requests", q.get("wait_for_inflight_requests"), False):
+            mode = "wait" if mode == "abort" else mode  # vLLM's deprecated spelling of mode=wait
+        return await self._mutation(request, body, lambda: self._pause(mode, clear_cache))
+
+    async def on_resume(self, request: Request, q: dict[str, Any], body: Any):
+        return await self._mutation(request, body, self._resume)
+
+    async def on_is_paused(self, request: Request, q: dict[str, Any], body: Any):
+        return {"is_paused": await self._in_thread(lambda: self.engine.is_paused, self._query_pool)}
+
+    async def on_init(self, request: Request, q: dict[str, Any], body: schemas.InitWeightTransferBody):
+        return await self._mutation(request, body, lambda: self._init(body.init_info))
+
+    async def on_start(self, request: Request, q: dict[str, Any], body: Any):
+        return await self._mutation(request, body, self._start)
+
+    async def on_update(self, request: Request, q: dict[str, Any], body: schemas.UpdateWeightsBody):
+        info = self._own_update_info(body.update_info)
+        return await self._mutation(request, body, lambda: self._update(info))
+
+    async def on_finish(self, request: Request, q: dict[str, Any], body: schemas.FinishWeightUpdateBody):
+        return await self._mutation(request, body, lambda: self._finish(body.weight_version))
+
+    async def on_abort_update(self, request: Request, q: dict[str, Any], body: Any):
+        return await self._mutation(request, body, self._abort_update)
+
+    async def on_shutdown_transfer(self, request: Request, q: dict[str, Any], body: Any):
+        return await self._mutation(request, body, self._shutdown_transfer)
+
+    async def on_update_weight_version(
+        self, request: Request, q: dict[str, Any], body: schemas.UpdateWeightVersionBody
+    ):
+        def op() -> dict[str, Any]:
+            self._label = body.new_version
+            return {"success": True, "new_version": body.new_version}
+
+        return await self._mutation(request, body, op)
+
+    async def on_weight_info(self, request: Request, q: dict[str, Any], body: Any):
+        return await self._in_thread(self.weight_info, self._query_pool)
+
+    async def on_weight_status(self, request: Request, q: dict[str, Any], body: Any):
+        return await self._in_thread(self.weight_status, self._query_pool)
+
+    async def on_weight_checker(self, request: Request, q: dict[str, Any], body: schemas.WeightCheckerBody):
+        return await self._mutation(request, body, lambda: self._weight_checker(body))
+
+    async def on_get_world_size(self, request: Request, q: dict[str, Any], body: Any):
+        schemas.parse_query_bool("include_dp", q.get("include_dp"), True)
+        return {"world_size": self.config.world_size}  # one engine: no data-parallel replicas here
+
+    async def on_weight_spec(self, request: Request, q: dict[str, Any], body: Any):
+        return wire.spec_to_json(await self._in_thread(self.engine.weight_spec, self._query_pool))
+
+    async def on_sleep(self, request: Request, q: dict[str, Any], body: Any):
+        raw_level = q.get("level", "1")
+        if raw_level not in ("0", "1", "2"):
+            raise invalid(f"level={raw_level[:40]!r}: must be 0, 1 or 2", "query.level")
+        mode = q.get("mode", "abort")
+        if mode not in schemas.PAUSE_MODES:
+            raise invalid(f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}", "query.mode")
+        return await self._mutation(request, body, lambda: self._sleep(int(raw_level), mode))
+
+    async def on_wake_up(self, request: Request, q: dict[str, Any], body: Any):
+        tags = q.get("tags") or None
+        for tag in tags or ():
+            if tag not in schemas.SLEEP_TAGS:
+                raise invalid(f"tag {tag[:40]!r}: must be one of {list(schemas.SLEEP_TAGS)}", "query.tags")
+        return await self._mutation(request, body, lambda: self._wake_up(tags))
+
+    async def on_is_sleeping(self, request: Request, q: dict[str, Any], body: Any):
+        return {"is_sleeping": await self._in_thread(self.is_sleeping, self._query_pool)}
+
+    async def on_reset_prefix_cache(self, request: Request, q: dict[str, Any], body: Any):
+        for name in q:
+            schemas.parse_query_bool(name, q[name], False)
+
+        def op() -> dict[str, Any]:
+            self.engine.reset_prefix_cache()
+            return {"success": True}  # vLLM 0.32's answer
+
+        return await self._mutation(request, body, op)
+
+    async def on_health(self, request: Request, q: dict[str, Any], body: Any):
+        return {}
+
+    async def on_stats(self, request: Request, q: dict[str, Any], body: Any):
+        return self.stats()
+
     # ------------------------------------------------------------------ app
+    def _endpoint(self, route: routes.Route) -> Callable[[Request], Any]:
+        """One route's endpoint: its precondition, then its query and body as the table says, then its
+        handler."""
+        handler = getattr(self, route.handler)
+        precondition = getattr(self, route.precondition) if route.precondition else None
+
+        async def endpoint(request: Request):
+            if precondition is not None:
+                await precondition(request)
+            q = self._query(request, route.query, route.query_lists)
+            body = await self._body(request, route.body, route.body_required) if route.body else None
+            return await handler(request, q, body)
+
+        endpoint.__name__ = route.handler
+        return endpoint
+
     def _build_app(self) -> FastAPI:
         app = FastAPI(
-            title="weightsync control plane",
-            description=__doc__,
-            version="1",
-            docs_url=None,
-            redoc_url=None,
+            title="weightsync control plane", description=__doc__, version="1", docs_url=None, redoc_url=None
         )
-        srv = self
-
-        @app.exception_handler(ApiError)
-        async def _api_error(request: Request, exc: ApiError):
-            return JSONResponse(exc.payload(), status_code=exc.status)
-
-        @app.exception_handler(BadRequest)
-        @app.exception_handler(WeightSyncError)
-        async def _refused(request: Request, exc: Exception):
-            err = api_error(exc) or ApiError(400, type(exc).__name__, str(exc))
-            return JSONResponse(err.payload(), status_code=err.status)
-
-        @app.exception_handler(RequestValidationError)
-        async def _validation(request: Request, exc: RequestValidationError):
-            return JSONResponse(validation_error(exc, prefix="").payload(), status_code=400)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http(request: Request, exc: StarletteHTTPException):
-            return JSONResponse(
-                ApiError(exc.status_code, "HTTPError", str(exc.detail)).payload(),
-                status_code=exc.status_code,
-                headers=getattr(exc, "headers", None),
+        install_handlers(app)
+        for r in routes.ROUTES:
+            app.add_api_route(
+                r.path,
+                self._endpoint(r),
+                methods=[r.method],
+                summary=r.summary,
+                responses=routes.openapi_responses(r, self.config.auth, ErrorResponse),
             )
-
-        @app.exception_handler(Exception)
-        async def _crash(request: Request, exc: Exception):
-            log.exception("unhandled error on %s %s", request.method, request.url.path)
-            return JSONResponse(
-                ApiError(500, type(exc).__name__, "internal error").payload(), status_code=500
-            )
-
-        # ---------------------------------------------------------- pause / resume
-        @app.post("/pause")
-        async def pause(request: Request):
-            q = srv._query(request, ("mode", "clear_cache", "wait_for_inflight_requests"))
-            body = await srv._body(request, schemas.EmptyBody, required=False)
-            mode = q.get("mode", "abort")
-            if mode not in schemas.PAUSE_MODES:
-                raise invalid(f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}", "query.mode")
-            clear_cache = schemas.parse_query_bool(
-                "clear_cache", q.get("clear_cache"), True
-            )  # vLLM's default
-            if schemas.parse_query_bool(
-                "wait_for_inflight_requests", q.get("wait_for_inflight_requests"), False
-            ):
-                mode = "wait" if mode == "abort" else mode  # vLLM's deprecated spelling of mode=wait
-            return await srv._mutation(request, body, lambda: srv._pause(mode, clear_cache))
-
-        @app.post("/resume")
-        async def resume(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.EmptyBody, required=False)
-            return await srv._mutation(request, body, srv._resume)
-
-        @app.get("/is_paused")
-        async def is_paused(request: Request):
-            srv._query(request, ())
-            paused = await srv._in_thread(lambda: srv.engine.is_paused, srv._query_pool)
-            return {"is_paused": paused}
-
-        @app.post("/abort_requests")
-        async def abort_requests(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.AbortRequestsBody, required=False)
-            return await srv._abort_requests(body)
-
-        # ---------------------------------------------------------- weight lifecycle
-        @app.post("/init_weight_transfer_engine")
-        async def init_weight_transfer_engine(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.InitWeightTransferBody, required=True)
-            return await srv._mutation(request, body, lambda: srv._init(body.init_info))
-
-        @app.post("/start_weight_update")
-        async def start_weight_update(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.StartWeightUpdateBody, required=False)
-            return await srv._mutation(request, body, srv._start)
-
-        @app.post("/update_weights")
-        async def update_weights(request: Request):
-            srv._require_open_update(request, "update_weights")
-            srv._query(request, ())
-            body = await srv._body(request, schemas.UpdateWeightsBody, required=True)
-            info = srv._own_update_info(body.update_info)
-            return await srv._mutation(request, body, lambda: srv._update(info))
-
-        @app.post("/finish_weight_update")
-        async def finish_weight_update(request: Request):
-            if not srv._updating:
-                # Without an open update only a finish naming a committed version goes on (a retry of the
-                # finish that landed is recognised; an older one is a VersionError); the rest is out of
-                # order, whatever the body says.
-                try:
-                    early = await srv._body(request, schemas.FinishWeightUpdateBody, required=False)
-                    named = schemas.parse_version(early.weight_version)[0]
-                except (ApiError, BadRequest):
-                    named = None
-                if named is None or named > srv.engine.weight_version:
-                    srv._require_open_update(request, "finish_weight_update")
-            srv._query(request, ())
-            body = await srv._body(request, schemas.FinishWeightUpdateBody, required=False)
-            return await srv._mutation(request, body, lambda: srv._finish(body.weight_version))
-
-        @app.post("/abort_weight_update")
-        async def abort_weight_update(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.EmptyBody, required=False)
-            return await srv._mutation(request, body, srv._abort_update)
-
-        @app.post("/shutdown_weight_transfer_engine")
-        async def shutdown_weight_transfer_engine(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.EmptyBody, required=False)
-            return await srv._mutation(request, body, srv._shutdown_transfer)
-
-        @app.post("/update_weight_version")
-        async def update_weight_version(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.UpdateWeightVersionBody, required=True)
-
-            def op() -> dict[str, Any]:
-                srv._label = body.new_version
-                return {"success": True, "new_version": body.new_version}
-
-            return await srv._mutation(request, body, op)
-
-        @app.get("/weight_info")
-        async def weight_info(request: Request):
-            srv._query(request, ())
-            return await srv._in_thread(srv.weight_info, srv._query_pool)
-
-        @app.get("/weight_status")
-        async def weight_status(request: Request):
-            srv._query(request, ())
-            return await srv._in_thread(srv.weight_status, srv._query_pool)
-
-        @app.post("/weight_checker")
-        async def weight_checker(request: Request):
-            srv._query(request, ())
-            body = await srv._body(request, schemas.WeightCheckerBody, required=True)
-            return await srv._mutation(request, body, lambda: srv._weight_checker(body))
-
-        @app.get("/get_world_size")
-        async def get_world_size(request: Request):
-            q = srv._query(request, ("include_dp",))
-            schemas.parse_query_bool("include_dp", q.get("include_dp"), True)
-            return {"world_size": srv.config.world_size}  # one engine: no data-parallel replicas here
-
-        # ---------------------------------------------------------- sleep
-        @app.post("/sleep")
-        async def sleep(request: Request):
-            q = srv._query(request, ("level", "mode"))
-            body = await srv._body(request, schemas.EmptyBody, required=False)
-            raw_level = q.get("level", "1")
-            if raw_level not in ("0", "1", "2"):
-                raise invalid(f"level={raw_level[:40]!r}: must be 0, 1 or 2", "query.level")
-            mode = q.get("mode", "abort")
-            if mode not in schemas.PAUSE_MODES:
-                raise invalid(f"mode={mode[:40]!r}: must be one of {list(schemas.PAUSE_MODES)}", "query.mode")
-            return await srv._mutation(request, body, lambda: srv._sleep(int(raw_level), mode))
-
-        @app.post("/wake_up")
-        async def wake_up(request: Request):
-            unknown = sorted(set(request.query_params.keys()) - {"tags"})
-            if unknown:
-                raise invalid(
-                    f"unknown query parameter(s) {unknown[:5]}; allowed: ['tags']", f"query.{unknown[0][:64]}"
-                )
-            tags = request.query_params.getlist("tags") or None
-            for tag in tags or ():
-                if tag not in schemas.SLEEP_TAGS:
-                    raise invalid(
-                        f"tag {tag[:40]!r}: must be one of {list(schemas.SLEEP_TAGS)}", "query.tags"
-                    )
-            body = await srv._body(request, schemas.EmptyBody, required=False)
-            return await srv._mutation(request, body, lambda: srv._wake_up(tags))
-
-        @app.get("/is_sleeping")
-        async def is_sleeping(request: Request):
-            srv._query(request, ())
-            return {"is_sleeping": await srv._in_thread(srv.is_sleeping, srv._query_pool)}
-
-        @app.get("/weight_spec")
-        async def weight_spec(request: Request):
-            srv._query(request, ())
-            return wire.spec_to_json(await srv._in_thread(srv.engine.weight_spec, srv._query_pool))
-
-        @app.post("/reset_prefix_cache")
-        async def reset_prefix_cache(request: Request):
-            q = srv._query(request, ("reset_running_requests", "reset_external"))
-            for name in q:
-                schemas.parse_query_bool(name, q[name], False)
-            body = await srv._body(request, schemas.EmptyBody, required=False)
-
-            def op() -> dict[str, Any]:
-                srv.engine.reset_prefix_cache()
-                return {"success": True}  # vLLM 0.32's answer
-
-            return await srv._mutation(request, body, op)
-
-        # ---------------------------------------------------------- generation and status
-        @app.post("/v1/completions")
-        async def completions(request: Request):
-            return await srv._completions(request)
-
-        @app.get("/health")
-        async def health(request: Request):
-            srv._query(request, ())
-            return {}
-
-        @app.get("/stats")
-        async def stats(request: Request):
-            srv._query(request, ())
-            return srv.stats()
-
-        self._document_bodies(app)
+        self._document_bodies(app, auth=self.config.auth)
         return app
 
     @staticmethod
-    def _document_bodies(app: FastAPI) -> None:
-        """Bodies are parsed by hand (strictly); put their schemas in the OpenAPI document anyway."""
-        bodies = {
-            "/init_weight_transfer_engine": schemas.InitWeightTransferBody,
-            "/start_weight_update": schemas.StartWeightUpdateBody,
-            "/update_weights": schemas.UpdateWeightsBody,
-            "/finish_weight_update": schemas.FinishWeightUpdateBody,
-            "/update_weight_version": schemas.UpdateWeightVersionBody,
-            "/abort_requests": schemas.AbortRequestsBody,
-            "/weight_checker": schemas.WeightCheckerBody,
-            "/v1/completions": schemas.CompletionBody,
-        }
+    def _document_bodies(app: FastAPI, auth: bool) -> None:
+        """Bodies are parsed by hand (strictly); put the table's body schemas in the OpenAPI document."""
 
         def openapi() -> dict[str, Any]:
             if app.openapi_schema:
@@ -1088,24 +669,16 @@ class ControlServer:
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
             components = doc.setdefault("components", {}).setdefault("schemas", {})
-            for path, model in bodies.items():
-                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for r in routes.ROUTES:
+                request_body = routes.openapi_request_body(r)
+                if request_body is None:
+                    continue
+                schema = r.body.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(schema.pop("$defs", {}))
-                components[model.__name__] = schema
-                doc["paths"][path]["post"]["requestBody"] = {
-                    "required": path
-                    in (
-                        "/init_weight_transfer_engine",
-                        "/update_weights",
-                        "/update_weight_version",
-                        "/weight_checker",
-                        "/v1/completions",
-                    ),
-                    "content": {
-                        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
-                    },
-                }
-            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                components[r.body.__name__] = schema
+                doc["paths"][r.path][r.method.lower()]["requestBody"] = request_body
+            if auth:
+                doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             app.openapi_schema = doc
             return doc
 
@@ -1183,6 +756,12 @@ class ServerThread:
                 raise TimeoutError(f"control server did not start within {timeout}s")
             self._thread.join(0.01)
         self.port = self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        if not self.server.config.auth:
+            log.warning(
+                "control server on %s: authentication is off (no token; loopback only, so any process on "
+                "this machine may call every route)",
+                self.url,
+            )
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -1205,9 +784,10 @@ def serve(
     port: int = 0,
     **config: Any,
 ) -> ServerThread:
-    """Start a control server in this process (a random token when none is given: read it back from
-    `.server.config.token`). Binds loopback unless `host` says otherwise."""
-    cfg = ServerConfig(token=token or secrets.token_urlsafe(32), host=host, port=port, **config)
+    """Start a control server in this process (the token from the environment when none is given, else
+    a random one: read it back from `.server.config.token`). Binds loopback unless `host` says otherwise."""
+    token = token or token_from_environment() or secrets.token_urlsafe(32)
+    cfg = ServerConfig(token=token, host=host, port=port, **config)
     return ServerThread(ControlServer(engine, receiver, cfg)).start()
 
 
@@ -1220,7 +800,8 @@ RECEIVERS = {
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m harness.control.server --path disk --allowed-dir DIR`; the token comes from
-    $WEIGHTSYNC_CONTROL_TOKEN or --token-file (never the command line, which `ps` shows)."""
+    --token-file, $WEIGHTSYNC_CONTROL_TOKEN or $VLLM_API_KEY (never the command line, which `ps` shows).
+    Without one the server runs unauthenticated on a loopback address (and says so) and refuses any other."""
     from harness.registry import load_object, make_engine
 
     ap = argparse.ArgumentParser(prog="python -m harness.control.server", description=main.__doc__)
@@ -1245,17 +826,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
-    token = (
-        Path(args.token_file).read_text().strip()
-        if args.token_file
-        else os.environ.get("WEIGHTSYNC_CONTROL_TOKEN")
-    )
-    if not token:
-        ap.error("no token: set WEIGHTSYNC_CONTROL_TOKEN or pass --token-file")
+    token = Path(args.token_file).read_text().strip() if args.token_file else token_from_environment()
+    if not token and not is_loopback(args.host):
+        ap.error(
+            f"no token for --host {args.host}: a non-loopback address requires one; set "
+            f"{' or '.join(TOKEN_VARIABLES)} or pass --token-file"
+        )
     engine = make_engine(args.engine, None)
     receiver = load_object(RECEIVERS.get(args.path, args.path))(engine)
     cfg = ServerConfig(
-        token=token,
+        token=token or None,
         host=args.host,
         port=args.port,
         allowed_dirs=tuple(Path(d) for d in args.allowed_dir),
@@ -1267,6 +847,11 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world_size,
     )
     thread = ServerThread(ControlServer(engine, receiver, cfg), log_level=args.log_level).start()
+    if not cfg.auth:
+        print(
+            f"weightsync control server: authentication is off (no token; {args.host} is loopback)",
+            flush=True,
+        )
     print(f"weightsync control server listening on {thread.url}", flush=True)
     try:
         while thread._thread.is_alive():

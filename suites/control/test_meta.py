@@ -3,14 +3,19 @@ dropped, retries re-applied, per-token versions missing, paths not confined)."""
 
 from __future__ import annotations
 
+import collections
+
 import httpx
 import pytest
 
 from harness.api import ManifestMismatch
+from harness.control.errors import ApiError
 from harness.control.remote import RemoteDeployment
+from harness.control.schemas import BadRequest
 from harness.control.server import ControlServer, IdempotencyCache
 from harness.deployment import push
 from harness.paths.disk import DiskSender
+from suites.control import test_fuzz
 from suites.control.helpers import PAUSE_SEMANTICS, LoseAnswers, update_under_load, weights_for
 
 
@@ -51,6 +56,16 @@ class StampsNoVersions(ControlServer):
         chunk = super()._chunk(live, events, finish)
         del chunk["choices"][0]["token_weight_versions"]
         return chunk
+
+
+class RefusesOffTheTable(ControlServer):
+    """Refuses a path outside the allowed directories with a 403, which the route table does not declare."""
+
+    def _confine(self, info, what):
+        try:
+            super()._confine(info, what)
+        except BadRequest as exc:
+            raise ApiError(403, "Forbidden", str(exc)) from exc
 
 
 class ConfinesNothing(ControlServer):
@@ -96,3 +111,11 @@ def test_a_server_that_confines_nothing_accepts_a_foreign_root(make_served):
         served.url + "/init_weight_transfer_engine", json={"init_info": {"root": "/"}}, headers=served.auth()
     )
     assert resp.status_code == 200, "the confinement test would not notice a server that confines nothing"
+
+
+def test_fuzz_fails_a_server_answering_a_status_the_table_does_not_declare(make_served):
+    served = make_served(server_cls=RefusesOffTheTable, max_body_bytes=test_fuzz.MAX_BODY)
+    seen, statuses = collections.Counter(), collections.Counter()
+    with pytest.raises(AssertionError, match="does not declare"):
+        test_fuzz.fuzz(served, 400, seen, statuses)
+    assert statuses[403], f"the broken refusal was never reached: {dict(statuses)}"

@@ -5,6 +5,7 @@ committed version bit for bit."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -14,7 +15,9 @@ import httpx
 import pytest
 
 from harness.checks import assert_bitwise_equal
-from harness.control.server import ServerConfig
+from harness.control.server import ControlServer, ServerConfig, ServerThread, token_from_environment
+from harness.engines.reference import ReferenceEngine
+from harness.paths.disk import DiskReceiver
 from suites.control.helpers import request, weights_for
 
 MUTATING = {
@@ -98,28 +101,97 @@ def test_binds_loopback_by_default(served):
     assert bound[0] == "127.0.0.1", f"server bound {bound}"
 
 
-@pytest.mark.parametrize("token", [None, "", "short"])
-def test_there_is_no_unauthenticated_mode(token):
+@pytest.mark.parametrize("token", ["", "short", 123])
+def test_a_given_token_must_be_a_long_string(token):
     with pytest.raises(ValueError, match="token"):
         ServerConfig(token=token)  # type: ignore[arg-type]
 
 
-def test_cli_binds_loopback_and_requires_a_token(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_CONTROL_TOKEN"}
-    cmd = [sys.executable, "-m", "harness.control.server", "--allowed-dir", str(tmp_path)]
-    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
-    assert refused.returncode == 2 and "no token" in refused.stderr, (
-        refused.returncode,
-        refused.stderr[-500:],
-    )
-    token = "cli-token-0123456789abcdef"
-    proc = subprocess.Popen(
-        cmd, env={**env, "WEIGHTSYNC_CONTROL_TOKEN": token}, stdout=subprocess.PIPE, text=True
-    )
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5", "10.0.0.1", "example.org", ""])
+def test_no_token_on_a_non_loopback_address_refuses_to_start(host):
+    with pytest.raises(ValueError, match=r"(?s)token.*WEIGHTSYNC_CONTROL_TOKEN.*VLLM_API_KEY"):
+        ServerConfig(token=None, host=host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.53", "localhost", "::1"])
+def test_no_token_on_loopback_turns_auth_off(host):
+    assert ServerConfig(token=None, host=host).auth is False
+    assert ServerConfig(token="t" * 16, host=host).auth is True
+
+
+def test_loopback_without_a_token_serves_unauthenticated_and_says_so_at_start(tmp_path, caplog):
+    engine = ReferenceEngine(max_batch=2)
+    cfg = ServerConfig(token=None, allowed_dirs=(tmp_path,))
+    with caplog.at_level(logging.WARNING, logger="weightsync.control"):
+        thread = ServerThread(ControlServer(engine, DiskReceiver(engine), cfg)).start()
     try:
-        line = proc.stdout.readline()  # printed once the socket is bound
-        url = line.rsplit(" ", 1)[-1].strip()
-        assert url.startswith("http://127.0.0.1:"), f"CLI said {line!r}"
+        said = [r.getMessage() for r in caplog.records if "authentication is off" in r.getMessage()]
+        assert said and thread.url in said[0], f"no start-up line says auth is off: {caplog.text[-500:]}"
+        assert httpx.post(thread.url + "/resume").status_code == 200
+        assert "securitySchemes" not in httpx.get(thread.url + "/openapi.json").json()["components"]
+    finally:
+        thread.stop()
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, None),
+        ({"WEIGHTSYNC_CONTROL_TOKEN": "w" * 16}, "w" * 16),
+        ({"VLLM_API_KEY": "v" * 16}, "v" * 16),
+        ({"WEIGHTSYNC_CONTROL_TOKEN": "w" * 16, "VLLM_API_KEY": "v" * 16}, "w" * 16),
+        ({"WEIGHTSYNC_CONTROL_TOKEN": "", "VLLM_API_KEY": "v" * 16}, "v" * 16),
+    ],
+)
+def test_the_token_is_read_from_the_environment(environ, expected):
+    assert token_from_environment(environ) == expected
+
+
+def _cli(args, env, tmp_path):
+    return [sys.executable, "-m", "harness.control.server", "--allowed-dir", str(tmp_path), *args], env
+
+
+def _start_cli(cmd, env):
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # the listening line is printed once the socket is bound
+        lines.append(line)
+        if "listening on" in line:
+            return proc, lines, line.rsplit(" ", 1)[-1].strip()
+    proc.wait(30)
+    raise AssertionError(f"CLI exited {proc.returncode} without listening: {''.join(lines)[-800:]}")
+
+
+def _clean_env():
+    return {k: v for k, v in os.environ.items() if k not in ("WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY")}
+
+
+def test_cli_refuses_a_non_loopback_address_without_a_token(tmp_path):
+    cmd, env = _cli(["--host", "0.0.0.0"], _clean_env(), tmp_path)
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2, (refused.returncode, refused.stderr[-500:])
+    assert "0.0.0.0" in refused.stderr and "WEIGHTSYNC_CONTROL_TOKEN" in refused.stderr, refused.stderr[-500:]
+
+
+def test_cli_on_loopback_without_a_token_says_auth_is_off(tmp_path):
+    proc, lines, url = _start_cli(*_cli([], _clean_env(), tmp_path))
+    try:
+        assert url.startswith("http://127.0.0.1:"), lines
+        assert any("authentication is off" in line for line in lines), f"CLI said {lines}"
+        assert httpx.post(url + "/resume").status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("variable", ["WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY"])
+def test_cli_takes_the_token_from_the_environment(tmp_path, variable):
+    token = "cli-token-0123456789abcdef"
+    proc, lines, url = _start_cli(*_cli([], {**_clean_env(), variable: token}, tmp_path))
+    try:
+        assert url.startswith("http://127.0.0.1:"), f"CLI said {lines}"
+        assert not any("authentication is off" in line for line in lines), lines
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.post(url + "/resume").status_code == 401
         assert httpx.post(url + "/resume", headers={"Authorization": f"Bearer {token}"}).status_code == 200

@@ -1,0 +1,153 @@
+"""Errors on the wire: vLLM's ErrorResponse shape, and the one map from harness exceptions to HTTP.
+
+Every error answer is `{"error": {"message", "type", "param", "code"}}`. `type` names the harness
+exception (the client maps it back, `harness.control.client.error_from_response`), the status comes
+from `_STATUS_OF`, and a refused field is named in `param` as vLLM spells it (`body.new_version`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from harness.api import (
+    BackendError,
+    EngineStateError,
+    LifecycleError,
+    ManifestMismatch,
+    TransferError,
+    UnknownTensorError,
+    VersionError,
+    WeightSyncError,
+)
+from harness.control.schemas import BadRequest
+
+log = logging.getLogger("weightsync.control")
+
+BAD_REQUEST = "Bad Request"  # vLLM's error type for a request that fails validation (the status phrase)
+
+
+class ApiError(Exception):
+    """An error answer in vLLM's ErrorResponse shape: status, a type name the client maps back to a
+    harness error, a message, and `param`, the refused field ("query.mode", "body.new_version")."""
+
+    def __init__(self, status: int, type_: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.message, self.param = status, type_, message, param
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
+
+
+def invalid(message: str, param: str | None) -> ApiError:
+    """A request that fails validation: vLLM answers 400 with the field named in `param`."""
+    return ApiError(400, BAD_REQUEST, message, param)
+
+
+_STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
+    (BadRequest, 400),
+    (BackendError, 400),
+    (LifecycleError, 409),
+    (VersionError, 409),
+    (EngineStateError, 409),
+    (UnknownTensorError, 422),
+    (ManifestMismatch, 422),
+    (TransferError, 502),  # the data plane failed: not the caller's request
+    (TimeoutError, 504),
+    (ValueError, 400),  # engines raise it for requests they refuse (prompt outside the vocab, ...)
+)
+
+
+def api_error(exc: BaseException) -> ApiError | None:
+    for cls, status in _STATUS_OF:
+        if isinstance(exc, cls):
+            param = getattr(exc, "param", None)
+            if param is not None:  # a field that fails validation: vLLM's 400, whoever refused it
+                return invalid(str(exc), param)
+            return ApiError(status, type(exc).__name__, str(exc))
+    return None
+
+
+# pydantic names union branches and validator wrappers in an error's location; a client knows fields
+_SCHEMA_KINDS = frozenset(
+    {"function-after", "function-before", "function-wrap", "function-plain", "nullable"}
+)
+_SCHEMA_KINDS |= frozenset({"union", "tagged-union", "lax-or-strict", "json-or-python", "chain", "default"})
+_SCHEMA_KINDS |= frozenset({"str", "int", "float", "bool", "list", "dict", "none", "constrained-str"})
+
+
+def _field_path(loc: tuple[Any, ...], prefix: str) -> str:
+    """`prefix.field.sub`: a pydantic error location as vLLM's `param` spells it."""
+    parts = [prefix] if prefix and (not loc or loc[0] != prefix) else []
+    for p in loc:
+        text = str(p)
+        if (
+            any(c in text for c in "[](){}")
+            or text.lower() in _SCHEMA_KINDS
+            or text.startswith("constrained-")
+        ):
+            continue
+        parts.append(text)
+    return ".".join(parts)
+
+
+def validation_error(exc: ValidationError | RequestValidationError, prefix: str = "body") -> ApiError:
+    """400 naming the first refused field in `param`, the first ten errors in the message."""
+    errors = exc.errors()
+    parts = []
+    for err in errors[:10]:
+        parts.append(f"{_field_path(tuple(err.get('loc', ())), prefix)}: {err.get('msg', 'invalid')}")
+    param = _field_path(tuple(errors[0].get("loc", ())), prefix) if errors else prefix
+    return invalid("; ".join(parts) or "validation error", param)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """vLLM's error object, as every error answer carries it (the OpenAPI document's error schema)."""
+
+    error: ErrorInfo
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Every exception that reaches FastAPI leaves as vLLM's error object."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.payload(), status_code=exc.status)
+
+    @app.exception_handler(BadRequest)
+    @app.exception_handler(WeightSyncError)
+    async def _refused(request: Request, exc: Exception):
+        err = api_error(exc) or ApiError(400, type(exc).__name__, str(exc))
+        return JSONResponse(err.payload(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return JSONResponse(validation_error(exc, prefix="").payload(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(
+            ApiError(exc.status_code, "HTTPError", str(exc.detail)).payload(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(ApiError(500, type(exc).__name__, "internal error").payload(), status_code=500)

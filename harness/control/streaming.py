@@ -1,0 +1,196 @@
+"""Generation over HTTP: /v1/completions (JSON or SSE, each token stamped with its weight version) and
+/abort_requests, as a part of ControlServer.
+
+A pump thread per request forwards the engine's events into the event loop; the SSE generator sends
+them, with a keepalive comment while the engine is paused, so a paused stream is never mistaken for
+a dead one."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from harness.api import GenerationRequest, TokenEvent
+from harness.control import schemas
+from harness.control.errors import ApiError
+
+
+@dataclasses.dataclass
+class Live:
+    """One /v1/completions request: the engine's stream, and the queue its pump thread fills."""
+
+    request_id: str
+    stream: Any  # RequestStream
+    queue: asyncio.Queue
+    created: int
+    closed: bool = False
+    outcome: str | None = None  # length | stop | abort | disconnected
+    tokens: int = 0
+
+
+class Completions:
+    """ControlServer's generation routes. Uses the server's engine, config, counters, `_live` (in-flight
+    requests by id), `_closing`, `_loop`, `_in_thread` and `_query_pool`."""
+
+    def _pump(self, live: Live, loop: asyncio.AbstractEventLoop) -> None:
+        """Forward the engine's events for one request into the event loop, until it finishes."""
+        i = 0
+        while not live.closed and not self._closing:
+            events = live.stream.events_after(i, timeout=0.5)
+            if not events:
+                continue
+            i += len(events)
+            try:
+                loop.call_soon_threadsafe(live.queue.put_nowait, events)
+            except RuntimeError:  # the loop is gone: the server stopped
+                return
+            if events[-1].finish_reason is not None:
+                return
+
+    def _chunk(self, live: Live, events: list[TokenEvent], finish: str | None) -> dict[str, Any]:
+        tokens = [e for e in events if e.token_id is not None]
+        return {
+            "id": live.request_id,
+            "object": "text_completion",
+            "created": live.created,
+            "model": self.config.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "token_ids": [e.token_id for e in tokens],
+                    "token_weight_versions": [e.weight_version for e in tokens],  # weightsync extension
+                }
+            ],
+        }
+
+    def _usage(self, live: Live) -> dict[str, int]:
+        n_prompt = len(live.stream.request.prompt_token_ids)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": live.tokens,
+            "total_tokens": n_prompt + live.tokens,
+        }
+
+    def _settle(self, live: Live, outcome: str) -> None:
+        if live.outcome is None:
+            live.outcome = outcome
+            live.closed = True
+            self.counters["completed" if outcome in ("length", "stop") else outcome] += 1
+            self._live.pop(live.request_id, None)
+
+    async def _events(self, live: Live):
+        """(events, finish_reason) batches of one request, with None batches as keepalive ticks."""
+        while True:
+            try:
+                events = await asyncio.wait_for(live.queue.get(), self.config.keepalive_s)
+            except asyncio.TimeoutError:
+                yield None, None
+                continue
+            finish = events[-1].finish_reason
+            live.tokens += sum(e.token_id is not None for e in events)
+            if finish is not None:
+                self._settle(live, finish)  # counted before the client can see the final chunk
+            yield events, finish
+            if finish is not None:
+                return
+
+    async def _submit(self, body: schemas.CompletionBody) -> Live:
+        if body.model not in (None, self.config.model_name):
+            raise ApiError(404, "NotFoundError", f"The model `{body.model[:100]}` does not exist.")
+        if self._closing:
+            raise ApiError(503, "ServiceUnavailable", "the server is shutting down")
+        if len(self._live) >= self.config.max_inflight_requests:
+            raise ApiError(
+                429,
+                "TooManyRequests",
+                f"{len(self._live)} requests in flight (limit {self.config.max_inflight_requests})",
+            )
+        rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        if rid in self._live:
+            raise ApiError(409, "DuplicateRequestId", f"request id {rid!r} is already in flight")
+        req = GenerationRequest(
+            rid, tuple(body.prompt), body.max_tokens or 16, tuple(body.stop_token_ids or ())
+        )
+        stream = await self._in_thread(lambda: self.engine.submit(req), self._query_pool)
+        self._loop = asyncio.get_running_loop()
+        live = Live(rid, stream, asyncio.Queue(), int(time.time()))
+        self._live[rid] = live
+        self.counters["submitted"] += 1
+        threading.Thread(
+            target=self._pump, args=(live, asyncio.get_running_loop()), name=f"pump-{rid[:24]}", daemon=True
+        ).start()
+        return live
+
+    async def on_completions(self, request: Request, query: dict[str, Any], body: schemas.CompletionBody):
+        """POST /v1/completions: token ids in, token ids out, each stamped with its weight version."""
+        live = await self._submit(body)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if not body.stream:
+            tokens: list[TokenEvent] = []
+            finish = None
+            try:
+                async for events, finish in self._events(live):  # noqa: B007 - the last one is read after
+                    tokens.extend(events or ())
+            finally:
+                self._settle(live, finish or "disconnected")
+            chunk = self._chunk(live, tokens, finish)
+            chunk["usage"] = self._usage(live)
+            return JSONResponse(chunk)
+
+        async def sse():
+            finish = None
+            try:
+                async for events, finish in self._events(live):
+                    if events is None:
+                        yield b": keepalive\n\n"
+                        continue
+                    yield b"data: " + json.dumps(self._chunk(live, events, finish)).encode() + b"\n\n"
+                if include_usage:
+                    usage = {**self._chunk(live, [], None), "choices": [], "usage": self._usage(live)}
+                    yield b"data: " + json.dumps(usage).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                self._settle(live, finish or "disconnected")
+
+        return StreamingResponse(
+            sse(),
+            media_type="text/event-stream",
+            headers={"x-request-id": live.request_id, "cache-control": "no-cache"},
+        )
+
+    async def on_abort_requests(
+        self, request: Request, query: dict[str, Any], body: schemas.AbortRequestsBody
+    ) -> dict[str, Any]:
+        if not body.request_ids:
+            n = await self._in_thread(self._abort_all)
+            return {"status": "aborted", "aborted": n}
+        engine_abort = getattr(self.engine, "abort_requests", None)
+        # counted before the engine acts: its abort event may close the stream before the loop below
+        found = [
+            self._live[r]
+            for r in dict.fromkeys(body.request_ids)
+            if r in self._live and not self._live[r].closed
+        ]
+        if callable(engine_abort):
+            await self._in_thread(lambda: engine_abort([live.request_id for live in found]))
+        for live in found:
+            if live.closed:
+                continue
+            # The stream ends here with finish_reason abort; without an engine-side abort the engine
+            # still finishes the request (bounded by max_tokens) and its tokens are dropped.
+            version = self.engine.weight_version
+            live.queue.put_nowait([TokenEvent(live.request_id, live.tokens, None, version, "abort")])
+            live.closed = True
+        return {"status": "aborted", "aborted": len(found)}
