@@ -149,7 +149,8 @@ class _RankServer:
         if op == "take_phases":  # where this rank's time went since the last take (harness.phases)
             return phases.take(), None
         if op == "serve_control":  # this rank's engine and receiver behind the HTTP control plane
-            from harness.control.server import ControlServer, ServerConfig, ServerThread
+            from harness.control.app import ServerThread
+            from harness.control.server import ControlServer, ServerConfig
 
             cfg = ServerConfig(token=args["token"], allowed_dirs=tuple(Path(d) for d in args["allowed_dirs"]))
             self.control = ServerThread(ControlServer(e, r, cfg)).start()

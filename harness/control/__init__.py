@@ -4,10 +4,11 @@
 - `routes`: the one route table (method, path, body, query, precondition, handler, error statuses) that
   the server registers, its OpenAPI document lists, the client checks its calls against, and the fuzz
   test enumerates.
-- `server`: `ControlServer` (the operations behind each route, app assembly), `ServerThread`, which runs
-  it under uvicorn, and the CLI. Its rooms: `errors` (vLLM's error object, the exception -> status map),
+- `server`: `ControlServer` (the operations behind each route, app assembly). Its rooms: `errors` (vLLM's error object, the exception -> status map),
   `guard` (token and body limit, before routing), `idempotency` (Idempotency-Key replays), `streaming`
   (/v1/completions and /abort_requests).
+- `app`: running it: `ServerThread` (uvicorn in a thread, bounded against idle and slow clients),
+  `serve`, and the CLI (`python -m harness.control.app`).
 - `client`: `ControlClient`, an httpx client with the four-phase API, timeouts and safe retries.
 - `remote`: `RemoteReceiver`, `RemoteEngine` and `RemoteDeployment`, so `harness.deployment.push()`
   and the suites drive a remote server as if it were local.

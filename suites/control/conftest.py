@@ -17,9 +17,10 @@ import torch
 for _dependency in ("fastapi", "uvicorn", "httpx"):
     pytest.importorskip(_dependency)
 
+from harness.control.app import ServerThread
 from harness.control.client import ControlClient
 from harness.control.remote import RemoteDeployment
-from harness.control.server import ControlServer, ServerConfig, ServerThread
+from harness.control.server import ControlServer, ServerConfig
 from harness.deployment import push
 from harness.engines.reference import ReferenceEngine
 from harness.paths.disk import DiskReceiver, DiskSender

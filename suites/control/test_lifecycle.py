@@ -8,9 +8,10 @@ import pytest
 
 from harness.api import GenerationRequest, LifecycleError, UnknownTensorError, VersionError
 from harness.checks import assert_bitwise_equal
+from harness.control.app import ServerThread
 from harness.control.client import AmbiguousResultError, ControlClient
 from harness.control.remote import RemoteDeployment
-from harness.control.server import ControlServer, ServerConfig, ServerThread
+from harness.control.server import ControlServer, ServerConfig
 from harness.deployment import push
 from harness.engines.reference import ReferenceEngine
 from harness.paths.broadcast import BroadcastReceiver, BroadcastSender

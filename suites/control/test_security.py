@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from harness.checks import assert_bitwise_equal
-from harness.control.server import ControlServer, ServerConfig, ServerThread, token_from_environment
+from harness.control.app import ServerThread
+from harness.control.server import ControlServer, ServerConfig, token_from_environment
 from harness.engines.reference import ReferenceEngine
 from harness.paths.disk import DiskReceiver
 from suites.control.helpers import request, weights_for
@@ -149,7 +150,7 @@ def test_the_token_is_read_from_the_environment(environ, expected):
 
 
 def _cli(args, env, tmp_path):
-    return [sys.executable, "-m", "harness.control.server", "--allowed-dir", str(tmp_path), *args], env
+    return [sys.executable, "-m", "harness.control.app", "--allowed-dir", str(tmp_path), *args], env
 
 
 def _start_cli(cmd, env):
