@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.api import Engine, Receiver
+from harness.control.limits import ACCEPT_BACKLOG, ClientLimits, bounded_h11_protocol
 from harness.control.server import (
     DEFAULT_HOST,
     LOOPBACK_HOSTS,
@@ -28,7 +29,7 @@ from harness.control.server import (
     token_from_environment,
 )
 
-__all__ = ["RECEIVERS", "ServerThread", "main", "serve"]
+__all__ = ["RECEIVERS", "ClientLimits", "ServerThread", "main", "serve"]
 
 log = logging.getLogger("weightsync.control")
 
@@ -37,16 +38,19 @@ log = logging.getLogger("weightsync.control")
 class ServerThread:
     """uvicorn serving a ControlServer from a background thread; `port` is the bound port."""
 
-    def __init__(self, server: ControlServer, log_level: str = "warning"):
+    def __init__(self, server: ControlServer, log_level: str = "warning", limits: ClientLimits | None = None):
         import uvicorn
 
         self.server = server
+        self.limits = limits or ClientLimits()
         host = server.config.host
         self._uvicorn = uvicorn.Server(
             uvicorn.Config(
                 server.asgi,
                 host=host,
                 port=server.config.port,
+                http=bounded_h11_protocol(self.limits, server.counters),
+                backlog=ACCEPT_BACKLOG,
                 log_level=log_level,
                 access_log=False,
                 lifespan="off",
@@ -99,13 +103,14 @@ def serve(
     token: str | None = None,
     host: str = DEFAULT_HOST,
     port: int = 0,
+    limits: ClientLimits | None = None,
     **config: Any,
 ) -> ServerThread:
     """Start a control server in this process (the token from the environment when none is given, else
     a random one: read it back from `.server.config.token`). Binds loopback unless `host` says otherwise."""
     token = token or token_from_environment() or secrets.token_urlsafe(32)
     cfg = ServerConfig(token=token, host=host, port=port, **config)
-    return ServerThread(ControlServer(engine, receiver, cfg)).start()
+    return ServerThread(ControlServer(engine, receiver, cfg), limits=limits).start()
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -140,6 +145,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where /sleep offloads weights (default: a temporary directory)")
     ap.add_argument("--worker-index", type=int, default=0, help="this server's element of a list update_info")
     ap.add_argument("--world-size", type=int, default=1, help="what /get_world_size answers")
+    ap.add_argument(
+        "--header-timeout",
+        type=float,
+        default=ClientLimits.header_timeout_s,
+        help="seconds a request's headers may take (default %(default)s)",
+    )
+    ap.add_argument(
+        "--body-timeout",
+        type=float,
+        default=ClientLimits.body_timeout_s,
+        help="seconds a request's body may take after its headers (default %(default)s)",
+    )
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=ClientLimits.max_connections,
+        help="open connections at most, held below the file limit (default %(default)s)",
+    )
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
@@ -163,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         worker_index=args.worker_index,
         world_size=args.world_size,
     )
-    thread = ServerThread(ControlServer(engine, receiver, cfg), log_level=args.log_level).start()
+    limits = ClientLimits(args.header_timeout, args.body_timeout, args.max_connections)
+    thread = ServerThread(
+        ControlServer(engine, receiver, cfg), log_level=args.log_level, limits=limits
+    ).start()
     if not cfg.auth:
         print(
             f"weightsync control server: authentication is off (no token; {args.host} is loopback)",

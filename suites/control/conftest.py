@@ -17,7 +17,7 @@ import torch
 for _dependency in ("fastapi", "uvicorn", "httpx"):
     pytest.importorskip(_dependency)
 
-from harness.control.app import ServerThread
+from harness.control.app import ClientLimits, ServerThread
 from harness.control.client import ControlClient
 from harness.control.remote import RemoteDeployment
 from harness.control.server import ControlServer, ServerConfig
@@ -77,18 +77,24 @@ class Served:
 
 @pytest.fixture
 def make_served(tmp_path: Path) -> Iterator[Callable[..., Served]]:
-    """Factory: `make_served(max_batch=8, server_cls=ControlServer, **ServerConfig fields)` starts a
-    server (server_cls: a deliberately broken one, for the meta tests); all stop at teardown."""
+    """Factory: `make_served(max_batch=8, server_cls=ControlServer, limits=ClientLimits(...), **ServerConfig
+    fields)` starts a server (server_cls: a deliberately broken one, for the meta tests; limits: its
+    deadlines and connection cap); all stop at teardown."""
     started: list[Served] = []
 
-    def make(max_batch: int = 8, server_cls: type[ControlServer] = ControlServer, **config: Any) -> Served:
+    def make(
+        max_batch: int = 8,
+        server_cls: type[ControlServer] = ControlServer,
+        limits: ClientLimits | None = None,
+        **config: Any,
+    ) -> Served:
         root = tmp_path / f"allowed-{len(started)}"
         root.mkdir()
         token = secrets.token_urlsafe(24)
         engine = ReferenceEngine(max_batch=max_batch)
         receiver = DiskReceiver(engine)
         cfg = ServerConfig(token=token, allowed_dirs=(root,), **config)
-        thread = ServerThread(server_cls(engine, receiver, cfg)).start()
+        thread = ServerThread(server_cls(engine, receiver, cfg), limits=limits).start()
         client = ControlClient(thread.url, token=token)
         deployment = RemoteDeployment(DiskSender(root / "checkpoints"), [client], [engine.read_weights])
         served = Served(engine, receiver, thread, client, deployment, root, token, [client])
