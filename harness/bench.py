@@ -90,6 +90,44 @@ class SyncRow:
         return {**dataclasses.asdict(self), "ratio": round(self.ratio, 4), "verdict": self.verdict}
 
 
+#: The throughput table's columns, as every renderer heads them (the terminal in cli.py, report.md in
+#: report.py, report.html in report_html.py); throughput_cells gives a row's text in this order.
+THROUGHPUT_COLUMNS = (
+    "path",
+    "rx",
+    "size (B)",
+    "count",
+    "type",
+    "time (ms)",
+    "algbw (GB/s)",
+    "ceiling (GB/s)",
+    "ratio",
+    "floor",
+    "#wrong",
+    "verdict",
+)
+
+
+def throughput_cells(row: SyncRow) -> list[str]:
+    """The cells of one throughput row as every renderer shows them (they only style them), one per
+    THROUGHPUT_COLUMNS. The verdict cell is SyncRow.verdict (wrong, no ceiling, unreliable, below floor,
+    ok), gated or not: a row without a floor shows `–` in the floor column, and `passed` is what gates."""
+    return [
+        row.path,
+        str(row.receivers),
+        str(row.size_bytes),
+        str(row.count),
+        row.dtype,
+        f"{row.time_s * 1e3:.2f}",
+        f"{row.algbw_gbs:.3f}",
+        f"{row.ceiling_gbs:.3f}",
+        f"{row.ratio:.2f}",
+        f"{row.floor:g}" if row.floor else "–",
+        str(row.wrong),
+        row.verdict,
+    ]
+
+
 def payload(size_bytes: int, n_tensors: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
     """Seeded bf16 tensors totalling about `size_bytes`."""
     gen = torch.Generator().manual_seed(seed)

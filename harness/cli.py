@@ -215,35 +215,13 @@ def certify(args: argparse.Namespace) -> int:
 
 def throughput_table(rows: list, note: str) -> Table:
     """The throughput rows as the terminal shows them; the title names the engine they were measured with."""
+    from harness.bench import THROUGHPUT_COLUMNS, throughput_cells
+
     table = Table(title=f"sync throughput (median full lifecycle): {note}")
-    for col in (
-        "path",
-        "rx",
-        "size (B)",
-        "count",
-        "time (ms)",
-        "algbw GB/s",
-        "ceiling GB/s",
-        "ratio",
-        "floor",
-        "#wrong",
-        "verdict",
-    ):
+    for col in THROUGHPUT_COLUMNS:
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(
-            r.path,
-            str(r.receivers),
-            str(r.size_bytes),
-            str(r.count),
-            f"{r.time_s * 1e3:.2f}",
-            f"{r.algbw_gbs:.3f}",
-            f"{r.ceiling_gbs:.3f}",
-            f"{r.ratio:.2f}",
-            f"{r.floor or '-'}",
-            str(r.wrong),
-            r.verdict if r.floor or r.wrong else "reported",
-        )
+        table.add_row(*throughput_cells(r))
     return table
 
 

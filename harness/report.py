@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from harness.bench import SyncRow, gate_failures
+from harness.bench import THROUGHPUT_COLUMNS, SyncRow, gate_failures, throughput_cells
 
 # test module -> the invariant of DESIGN.md it checks
 INVARIANTS: dict[str, str] = {
@@ -388,17 +388,11 @@ def _group(rows: list[SyncRow]) -> dict[tuple[str, int], list[SyncRow]]:
 
 
 def throughput_table(rows: list[SyncRow]) -> list[str]:
-    lines = [
-        "| path | rx | size (B) | count | type | time (ms) | algbw (GB/s) | ceiling (GB/s) | ratio | floor | #wrong | verdict |",
-        "| --- | --: | --: | --: | --- | --: | --: | --: | --: | --: | --: | --- |",
+    """The throughput rows as a Markdown table (columns and cells: bench.throughput_cells)."""
+    align = ["---" if c in ("path", "type", "verdict") else "--:" for c in THROUGHPUT_COLUMNS]
+    return [
+        "| " + " | ".join(cells) + " |" for cells in (THROUGHPUT_COLUMNS, align, *map(throughput_cells, rows))
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.path} | {r.receivers} | {r.size_bytes} | {r.count} | {r.dtype} | {r.time_s * 1e3:.2f} | "
-            f"{r.algbw_gbs:.3f} | {r.ceiling_gbs:.3f} | {r.ratio:.2f} | {r.floor or '–'} | {r.wrong} | "
-            f"{r.verdict if r.floor or r.verdict != 'below floor' else 'ok'} |"
-        )
-    return lines
 
 
 def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:

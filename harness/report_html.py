@@ -8,6 +8,7 @@ import html
 from collections import Counter
 from pathlib import Path
 
+from harness.bench import THROUGHPUT_COLUMNS, throughput_cells
 from harness.report import cell, fault_cell_text, fault_matrix, matrix
 
 CSS = """
@@ -174,38 +175,12 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
             "on this machine; ratio = algbw / ceiling (the gate); #wrong = tensors not bitwise equal (must be 0). "
             "docs/performance.md explains every column.</p>"
         )
-        header = [
-            "path",
-            "rx",
-            "size (B)",
-            "count",
-            "type",
-            "time (ms)",
-            "algbw GB/s",
-            "ceiling GB/s",
-            "ratio",
-        ]
-        header += ["floor", "#wrong", "verdict"]
         body = []
         for r in rows:
-            gate = "ok" if r.passed and r.floor else r.verdict if not r.passed else "reported"
-            body.append(
-                [
-                    r.path,
-                    str(r.receivers),
-                    str(r.size_bytes),
-                    str(r.count),
-                    r.dtype,
-                    f"{r.time_s * 1e3:.2f}",
-                    f"{r.algbw_gbs:.3f}",
-                    f"{r.ceiling_gbs:.3f}",
-                    f"{r.ratio:.2f}",
-                    f"{r.floor:g}" if r.floor else "–",
-                    str(r.wrong),
-                    f'<td class="{"ok" if r.passed else "fail"}">{_e(gate)}</td>',
-                ]
-            )
-        parts.append(_table(header, body, numeric_from=1))
+            *cells, verdict = throughput_cells(r)
+            css = "fail" if not r.passed else "ok" if verdict == "ok" else "unknown"
+            body.append([*cells, f'<td class="{css}">{_e(verdict)}</td>'])
+        parts.append(_table(list(THROUGHPUT_COLUMNS), body, numeric_from=1))
         parts.append(_image(out_dir / "throughput.png", "throughput"))
         parts.append(_image(out_dir / "breakdown.png", "where the time goes"))
 

@@ -179,6 +179,48 @@ def test_report_html_is_self_contained_and_shows_verdict_matrix_command(bundle):
     assert 'src="data:image/png;base64,' in page, "the throughput plot is not embedded"
 
 
+def test_the_three_renderers_show_the_same_throughput_cells(bundle):
+    """The terminal, report.md and report.html tables have the columns and the cells of
+    bench.throughput_cells, for rows of every verdict, gated (floor) or not."""
+    import html
+
+    from harness.bench import THROUGHPUT_COLUMNS, throughput_cells
+    from harness.cli import throughput_table as terminal_table
+    from harness.report import throughput_table as markdown_table
+    from harness.report_html import render
+
+    rows = [
+        _row(),  # ok
+        _row(ratio=0.3),  # below floor
+        _row(ratio=1.2),  # unreliable
+        _row(wrong=2),  # wrong
+        SyncRow("disk", 1, 64 << 20, 8, "bf16", 0.1, 0.8, 0.0, 0, floor=0.6),  # no ceiling
+        _row(floor=0.0),  # not gated: ok
+        _row(ratio=1.2, floor=0.0),  # not gated: unreliable
+        _row(wrong=1, floor=0.0),  # not gated: wrong
+    ]
+    assert {r.verdict for r in rows} == {"ok", "below floor", "unreliable", "wrong", "no ceiling"}
+    expected = [list(THROUGHPUT_COLUMNS)] + [throughput_cells(r) for r in rows]
+    assert [cells[-1] for cells in expected[1:]] == [r.verdict for r in rows]
+
+    table = terminal_table(rows, "note")
+    terminal = [[str(c.header) for c in table.columns]] + [
+        list(cells) for cells in zip(*(list(c.cells) for c in table.columns), strict=True)
+    ]
+    lines = markdown_table(rows)
+    markdown = [[c.strip() for c in line.strip("|").split("|")] for line in [lines[0], *lines[2:]]]
+    data = json.loads((bundle / "results.json").read_text())
+    page = render(data, rows, bundle)
+    body = page[page.index("<h2>Sync throughput</h2>") :]
+    body = body[body.index("<table>") : body.index("</table>")]
+    page_rows = re.findall(r"<tr>(.*?)</tr>", body)
+    in_html = [[html.unescape(c) for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", tr)] for tr in page_rows]
+
+    assert terminal == expected, terminal
+    assert markdown == expected, markdown
+    assert in_html == expected, in_html
+
+
 def test_rerun_lines_carry_the_profile_the_seed_and_the_delta_fraction():
     from harness.report import bench_rerun, pytest_rerun
 
