@@ -1,6 +1,8 @@
 """The same ControlClient against real vLLM 0.32 in dev mode: vLLM's bodies, its version labels, and the
 retry rules where the server de-duplicates nothing (no Idempotency-Key support: the client must find
-that out and fall back to recognising versions).
+that out and fall back to recognising versions). Then vLLM's own trainer-side client,
+`HTTPVLLMWeightSyncClient`, runs one request script (suites/vllm/test_vllm_client_drives_ours.py `CASES`)
+against this vLLM server and against ours: every answer that differs is named there and checked here.
 
     /work/vllm-venv/bin/python -m pytest suites/control/test_vllm_compat.py -m vllm
 
@@ -24,6 +26,7 @@ from harness.control.remote import RemoteDeployment
 from harness.deployment import push
 from harness.paths.disk import DiskSender
 from suites.control.helpers import LoseAnswers
+from suites.vllm.test_vllm_client_drives_ours import CASES, Target, run_script, serve_ours
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -195,3 +198,87 @@ def test_vllm_refusals_surface_as_errors(vllm):
     with pytest.raises((ControlHTTPError, Exception)) as refused:
         client.finish_weight_update("not-started")
     assert getattr(refused.value, "status", 500) >= 400, refused.value
+
+
+# ------------------------------------------------------------------------ vLLM's own client, both servers
+# Stock vLLM 0.32 has no disk backend (its factory registers nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n
+# and modelexpress: test_vllm_client_drives_ours.py test_stock_vllm_has_no_disk_backend). This server
+# loads the harness's `weightsync_files` transport through --worker-extension-cls, which takes the same
+# init_info ({"root"}) and update_info ({"path", "manifest"}) as our disk receiver, so the script's
+# updates land on both and everything the client sends can be compared.
+@pytest.fixture(scope="module")
+def client_script_on_vllm(vllm_server):
+    v = Vllm(*vllm_server, name="client-script")
+    control = v.client()
+    sender = DiskSender(v.root / "client-script")
+
+    def reset() -> None:
+        """Back to 'initialised, no update open': drop what the transport staged, close an open
+        update with a finish that applies nothing, init again."""
+        discard(control)
+        resp = control._http.post("/init_weight_transfer_engine", json={"init_info": sender.init()})
+        assert resp.status_code == 200, resp.text[:300]
+
+    label = control.weight_version()
+    try:
+        yield run_script(Target(v.server.url, sender, v.weights, lambda: v.read_weights(control), reset))
+    finally:
+        control.update_weight_version(label)  # the tests above read the label as a version number
+        v.close()
+
+
+@pytest.fixture(scope="module")
+def client_script_on_ours(tmp_path_factory):
+    server = serve_ours(tmp_path_factory.mktemp("client-script-ours") / "allowed")
+    try:
+        yield run_script(Target(server.url, server.sender, server.weights, server.read_weights, server.reset))
+    finally:
+        server.close()
+
+
+def _views(case: str, on_vllm, on_ours) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    vllm_view, ours_view = tuple(on_vllm[case].view), tuple(on_ours[case].view)
+    assert ours_view == CASES[case].ours, f"{case}: ours answered {list(ours_view)}"
+    return vllm_view, ours_view
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c].vllm is None])
+def test_client_script_same_on_vllm(client_script_on_vllm, client_script_on_ours, case):
+    vllm_view, ours_view = _views(case, client_script_on_vllm, client_script_on_ours)
+    assert vllm_view == ours_view, (
+        f"{case}: an undocumented difference for vLLM's client\n  vLLM {list(vllm_view)}\n  ours "
+        f"{list(ours_view)}\nname it in CASES (suites/vllm/test_vllm_client_drives_ours.py)"
+    )
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c].vllm is not None])
+def test_client_script_differences_from_vllm(client_script_on_vllm, client_script_on_ours, case):
+    vllm_view, ours_view = _views(case, client_script_on_vllm, client_script_on_ours)
+    delivered = client_script_on_vllm[case].delivered
+    assert vllm_view == CASES[case].vllm, (
+        f"{case}: vLLM answered the client\n  {list(vllm_view)}\nthe documented difference says\n  "
+        f"{list(CASES[case].vllm)}\n({CASES[case].why})"
+        + (f"\ndelivery: {delivered[:5]}" if delivered else "")
+    )
+    assert vllm_view != ours_view, f"{case}: vLLM and ours now agree; the documented difference is gone"
+
+
+def _success_bodies(runs) -> dict[str, set[str]]:
+    import json
+
+    bodies: dict[str, set[str]] = {}
+    for x in next(iter(runs.values())).recorder.exchanges:
+        if x.status < 400 and x.path != "/weight_info":
+            shape = sorted(x.answer) if isinstance(x.answer, dict) else x.answer
+            bodies.setdefault(x.path, set()).add(json.dumps(shape))
+    return bodies
+
+
+def test_client_script_success_answers(client_script_on_vllm, client_script_on_ours):
+    """2xx answers carry vLLM's message on every route; our finish adds `weight_version` and
+    `already_committed` (vLLM's client reads no answer body, it only raises on a status >= 400)."""
+    on_vllm, on_ours = _success_bodies(client_script_on_vllm), _success_bodies(client_script_on_ours)
+    finish = "/finish_weight_update"
+    assert on_vllm.pop(finish) == {'["message"]'}, on_vllm
+    assert on_ours.pop(finish) == {'["already_committed", "message", "weight_version"]'}, on_ours
+    assert on_vllm == on_ours, f"vLLM {on_vllm}\nours {on_ours}"
