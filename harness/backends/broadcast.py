@@ -4,6 +4,7 @@ trainer and a receiver per rank process, over gloo (CPU) or NCCL (the GPU varian
 from __future__ import annotations
 
 from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, WeightSpec
+from harness.backends import rank_deployment
 from harness.launch import RankDeployment
 from harness.paths.broadcast import BroadcastSender
 
@@ -47,17 +48,18 @@ class BroadcastBackend(Backend):
     ):
         """This path's wiring in another RankDeployment class (ranks placed elsewhere, e.g. containers),
         the sender's store at `addr` (the trainer's address as the ranks see it)."""
-        return deployment_cls(
-            sender=self.sender_cls(
+        return rank_deployment(
+            self.sender_cls(
                 n_receivers, self.backend, bucket_bytes or self.bucket_bytes, self.timeout_s, addr=addr
             ),
-            receiver_path="harness.paths.broadcast:BroadcastReceiver",
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
-            rank_init_info=lambda info, rank: {**info, "rank": rank},
-            timeout=self.timeout_s,
+            "harness.paths.broadcast:BroadcastReceiver",
+            n_receivers,
+            spec,
+            workdir,
+            engine,
+            self.timeout_s,
+            rank_in_init_info=True,
+            deployment_cls=deployment_cls,
             **extra,
         )
 

@@ -4,7 +4,7 @@ broadcast or the shared-memory transport."""
 from __future__ import annotations
 
 from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, Sender, WeightSpec
-from harness.launch import RankDeployment
+from harness.backends import rank_deployment
 from harness.paths.broadcast import BroadcastSender
 from harness.paths.delta import DEFAULT_MAX_SPARSE_FRACTION, DeltaSender
 from harness.paths.ipc import DEFAULT_BUCKET_BYTES as IPC_BUCKET_BYTES
@@ -48,25 +48,23 @@ class DeltaBackend(Backend):
         bucket_bytes: int | None = None,
     ):
         unit = bucket_bytes or self.bucket_bytes
-        if self.transport == "broadcast":
+        over_broadcast = self.transport == "broadcast"
+        if over_broadcast:
             backend = "nccl" if self.device != "cpu" else "gloo"
             transport: Sender = BroadcastSender(n_receivers, backend, unit, timeout_s=self.timeout_s)
-            receiver_path, rank_info = (
-                "harness.paths.delta:DeltaReceiver",
-                (lambda info, rank: {**info, "rank": rank}),
-            )
+            receiver_path = "harness.paths.delta:DeltaReceiver"
         else:
             transport = IpcSender(self.device, unit)
-            receiver_path, rank_info = "harness.paths.delta:DeltaIpcReceiver", (lambda info, rank: info)
-        return RankDeployment(
-            sender=DeltaSender(transport, self.max_sparse_fraction),
-            receiver_path=receiver_path,
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
-            rank_init_info=rank_info,
-            timeout=self.timeout_s,
+            receiver_path = "harness.paths.delta:DeltaIpcReceiver"
+        return rank_deployment(
+            DeltaSender(transport, self.max_sparse_fraction),
+            receiver_path,
+            n_receivers,
+            spec,
+            workdir,
+            engine,
+            self.timeout_s,
+            rank_in_init_info=over_broadcast,  # a process group: each rank joins as itself
         )
 
 

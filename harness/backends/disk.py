@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, WeightSpec
-from harness.launch import RankDeployment
+from harness.backends import rank_deployment
 from harness.paths.disk import DEFAULT_SHARD_BYTES, DiskSender
 
 
@@ -33,15 +33,14 @@ class DiskBackend(Backend):
         engine: str | None = None,
         bucket_bytes: int | None = None,
     ):
-        return RankDeployment(
-            sender=DiskSender(Path(workdir) / "checkpoints", bucket_bytes or self.shard_bytes),
-            receiver_path="harness.paths.disk:DiskReceiver",
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
-            rank_init_info=lambda info, rank: info,
-            timeout=self.timeout_s,
+        return rank_deployment(
+            DiskSender(Path(workdir) / "checkpoints", bucket_bytes or self.shard_bytes),
+            "harness.paths.disk:DiskReceiver",
+            n_receivers,
+            spec,
+            workdir,
+            engine,
+            self.timeout_s,
         )
 
 

@@ -4,7 +4,7 @@ own processes; POSIX shared memory on CPU, CUDA IPC handles in the GPU variant."
 from __future__ import annotations
 
 from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, WeightSpec
-from harness.launch import RankDeployment
+from harness.backends import rank_deployment
 from harness.paths.ipc import DEFAULT_BUCKET_BYTES, IpcSender
 
 
@@ -39,15 +39,14 @@ class IpcBackend(Backend):
         engine: str | None = None,
         bucket_bytes: int | None = None,
     ):
-        return RankDeployment(
-            sender=IpcSender(self.device, bucket_bytes or self.bucket_bytes),
-            receiver_path="harness.paths.ipc:IpcReceiver",
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
-            rank_init_info=lambda info, rank: info,
-            timeout=self.timeout_s,
+        return rank_deployment(
+            IpcSender(self.device, bucket_bytes or self.bucket_bytes),
+            "harness.paths.ipc:IpcReceiver",
+            n_receivers,
+            spec,
+            workdir,
+            engine,
+            self.timeout_s,
         )
 
 
