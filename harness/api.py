@@ -24,7 +24,7 @@ import abc
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, Self
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 import torch
 
@@ -94,6 +94,9 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     stop_token_ids: tuple[int, ...] = ()
+    #: Top log-probs each TokenEvent should carry besides the chosen token's (OpenAI's `logprobs`):
+    #: None or 0 none, N the N most likely tokens. Only engines that `reports_logprobs` honour it.
+    logprobs: int | None = None
 
     def check(self, vocab_size: int) -> None:
         """Raise ValueError, naming the request, unless an engine of this vocabulary can serve it."""
@@ -104,6 +107,8 @@ class GenerationRequest:
             raise ValueError(f"request {self.request_id!r}: token ids {bad[:5]} outside vocab {vocab_size}")
         if self.max_tokens < 1:
             raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= vocab_size:
+            raise ValueError(f"request {self.request_id!r}: logprobs {self.logprobs} outside 0..{vocab_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +120,12 @@ class TokenEvent:
     token_id: int | None  # None on the final event of an aborted request that produced nothing more
     weight_version: int
     finish_reason: FinishReason | None = None
+    #: The chosen token's log-probability (log_softmax of the logits it was chosen from, float32);
+    #: None where the engine does not report it (`Engine.reports_logprobs`) or there is no token.
+    logprob: float | None = None
+    #: (token id, log-probability) of the request's `logprobs` most likely tokens, most likely first;
+    #: None unless the request asked for some and the engine reports them.
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclasses.dataclass
@@ -134,6 +145,9 @@ class RequestStream:
 
     def __init__(self, request: GenerationRequest):
         self.request = request
+        #: Prompt tokens the engine served from its prefix cache (vLLM's `num_cached_tokens`), set by
+        #: the engine before the first token is pushed; None where it does not say.
+        self.num_cached_tokens: int | None = None
         self._events: list[TokenEvent] = []
         self._cond = threading.Condition()
         self._done = False
@@ -299,8 +313,27 @@ def spec_of(named: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
     return {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in named.items()}
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token ids for an engine's model (`Engine.tokenizer`), what a text prompt needs.
+    `decode` takes any ids of the vocabulary (invalid byte sequences become U+FFFD, never an error)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
 class Engine(abc.ABC):
-    """An inference engine that serves token-id requests and holds one committed weight version."""
+    """An inference engine that serves token-id requests and holds one committed weight version.
+
+    Optional, for the control plane's text completions (/v1/completions): `tokenizer` (text prompts in,
+    text out; None: token ids only, a text prompt is refused) and `reports_logprobs` (each TokenEvent
+    carries its `logprob`, and the `top_logprobs` a request asks for; False: `logprobs` is refused)."""
+
+    #: The model's tokenizer (`Tokenizer`), or None when the engine serves token ids only.
+    tokenizer: Tokenizer | None = None
+    #: TokenEvent.logprob (and top_logprobs when asked) are filled for every token.
+    reports_logprobs: bool = False
 
     @property
     @abc.abstractmethod

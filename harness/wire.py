@@ -44,6 +44,7 @@ def request_from_json(d: Mapping[str, Any]) -> GenerationRequest:
         prompt_token_ids=tuple(int(t) for t in d["prompt_token_ids"]),
         max_tokens=int(d["max_tokens"]),
         stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
+        logprobs=None if d.get("logprobs") is None else int(d["logprobs"]),
     )
 
 
@@ -52,6 +53,9 @@ def event_to_json(e: TokenEvent) -> dict[str, Any]:
 
 
 def event_from_json(d: Mapping[str, Any]) -> TokenEvent:
+    d = dict(d)
+    if d.get("top_logprobs") is not None:  # JSON lists back to the event's (id, logprob) pairs
+        d["top_logprobs"] = tuple((int(t), float(lp)) for t, lp in d["top_logprobs"])
     return TokenEvent(**d)
 
 

@@ -416,6 +416,77 @@ class ControlClient:
         versions = choice.get("token_weight_versions") or [UNKNOWN_VERSION] * len(tokens)
         return Completion(request.request_id, tokens, list(versions), choice.get("finish_reason"))
 
+    def text_completion(
+        self,
+        prompt: str | Sequence[int] | Sequence[str],
+        max_tokens: int = 16,
+        *,
+        stream: bool = False,
+        logprobs: int | None = None,
+        request_id: str | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> TextCompletion:
+        """One greedy /v1/completions call with vLLM's text fields: a text (or token-id) prompt in; the
+        text, token ids, per-token versions, logprobs object and usage out. Streamed, the chunks' texts
+        are kept in `pieces` and their logprobs joined; usage is asked for (`include_usage`). Not retried:
+        a repeat would generate twice."""
+        body: JSON = {
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": stream,
+        }
+        if logprobs is not None:
+            body["logprobs"] = logprobs
+        if request_id is not None:
+            body["request_id"] = request_id
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)
+        if self.model:
+            body["model"] = self.model
+        if not stream:
+            resp = self._call(
+                "POST", "/v1/completions", json_body=body, read_timeout=self.timeouts.stream_idle
+            )
+            answer = resp.json()
+            out = TextCompletion(str(answer.get("id", "")), usage=answer.get("usage"))
+            out.add(answer["choices"][0])
+            return out
+        body["stream_options"] = {"include_usage": True}
+        routes.check_call("POST", "/v1/completions")
+        out = TextCompletion("")
+        try:
+            with self._http.stream(
+                "POST",
+                "/v1/completions",
+                json=body,
+                headers=self._headers,
+                timeout=self._timeout(self.timeouts.stream_idle),
+            ) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise error_from_response(resp)
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue  # blank separators and ': keepalive' comments
+                    if line[6:] == "[DONE]":
+                        break
+                    chunk = json.loads(line[6:])
+                    out.id = out.id or str(chunk.get("id", ""))
+                    if chunk.get("usage") is not None:
+                        out.usage = chunk["usage"]
+                    for choice in chunk.get("choices") or ():
+                        out.add(choice)
+        except httpx.TransportError as exc:
+            raise TransferError(f"POST {self.base_url}/v1/completions: the stream broke: {exc!r}") from exc
+        if out.finish_reason is None:
+            raise TransferError(
+                f"POST {self.base_url}/v1/completions: the stream ended without a finish_reason"
+            )
+        return out
+
     def submit(self, request: GenerationRequest, start_timeout: float | None = None) -> RemoteStream:
         """Start a streaming completion; returns once the server accepted it (its response began),
         raising the server's error if it refused."""
@@ -423,6 +494,43 @@ class ControlClient:
         stream.start()
         stream.wait_accepted(start_timeout or self.timeouts.control)
         return stream
+
+
+# --------------------------------------------------------------------------------------------- text
+@dataclasses.dataclass
+class TextCompletion:
+    """What `ControlClient.text_completion` read: one answer, or a stream's chunks joined."""
+
+    id: str
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    token_versions: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: JSON | None = None  # vLLM's object: tokens, token_logprobs, top_logprobs, text_offset
+    usage: JSON | None = None
+    pieces: list[str] = dataclasses.field(default_factory=list)  # each chunk's text, in order
+
+    def add(self, choice: Mapping[str, Any]) -> None:
+        """Join one choice (a chunk's, or the whole answer's)."""
+        text = choice.get("text") or ""
+        self.pieces.append(text)
+        self.text += text
+        tokens = list(choice.get("token_ids") or [])
+        self.token_ids += tokens
+        self.token_versions += list(choice.get("token_weight_versions") or [UNKNOWN_VERSION] * len(tokens))
+        if choice.get("logprobs") is not None:
+            if self.logprobs is None:
+                self.logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+            for key, values in choice["logprobs"].items():
+                self.logprobs.setdefault(key, []).extend(values or [])
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens (None when the server does not report it)."""
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        return details.get("cached_tokens")
 
 
 # --------------------------------------------------------------------------------------------- streams

@@ -113,7 +113,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/reset_prefix_cache", "on_reset_prefix_cache", "Drop the prefix cache", _EMPTY,
           query=("reset_running_requests", "reset_external"), errors=_LIFECYCLE, keyed=True),
     # generation and status
-    Route("POST", "/v1/completions", "on_completions", "Token-id completions, SSE with per-token versions",
+    Route("POST", "/v1/completions", "on_completions", "Completions, text or token ids in, SSE with per-token versions",
           schemas.CompletionBody, body_required=True, errors=_s(404, 409, 429, 503)),
     Route("GET", "/health", "on_health", "Liveness"),
     Route("GET", "/stats", "on_stats", "Request and commit counters", vllm=False),

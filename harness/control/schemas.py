@@ -25,6 +25,7 @@ IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{7,127}$")
 _CANONICAL_INT_RE = re.compile(r"^[1-9][0-9]{0,18}$")
 
 MAX_PROMPT_TOKENS = 8192
+MAX_PROMPT_CHARS = 4 * MAX_PROMPT_TOKENS  # a text prompt; its token count is checked once encoded
 MAX_NEW_TOKENS = 8192
 MAX_JSON_DEPTH = 32
 MAX_JSON_NODES = 200_000
@@ -248,11 +249,21 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+PromptText = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+
+
 class CompletionBody(_Strict):
-    """OpenAI /v1/completions with token-id prompts, greedy only (what the harness compares)."""
+    """OpenAI /v1/completions, greedy only (what the harness compares). `prompt` as vLLM 0.32 takes one
+    prompt: token ids, a string, or a list holding one string (vLLM batches longer lists; we serve one
+    prompt per request). `logprobs` is range-checked by the route (400 naming `logprobs`, as vLLM)."""
 
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    prompt: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    prompt: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+        | PromptText
+        | Annotated[list[PromptText], Field(min_length=1, max_length=1)]
+    )
+    logprobs: int | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = 16
     temperature: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1

@@ -4,8 +4,8 @@ Routes and bodies follow vLLM 0.32's RL API (VLLM_SERVER_DEV_MODE=1) so one clie
 route table, with each route's body, query, precondition and error statuses, is
 `harness.control.routes.ROUTES` (and this server's /openapi.json). The weight lifecycle
 (/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update), pause
-and sleep, /weight_info and /weight_checker, and /v1/completions (token-id prompts, greedy, SSE with
-per-token weight versions).
+and sleep, /weight_info and /weight_checker, and /v1/completions (token-id or text prompts, greedy,
+text and logprobs out, SSE with per-token weight versions).
 
 Beyond vLLM (vLLM's dev routes have no auth at all):
 - a bearer token on every mutating (non-GET) route, compared in constant time; 401 without it

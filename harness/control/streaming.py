@@ -1,6 +1,10 @@
 """Generation over HTTP: /v1/completions (JSON or SSE, each token stamped with its weight version) and
 /abort_requests, as a part of ControlServer.
 
+Prompts are token ids or, for an engine with a `tokenizer`, text; answers carry the decoded text
+(`harness.control.text`), vLLM's logprobs object when asked, and usage with
+`prompt_tokens_details.cached_tokens` (the prompt tokens the engine's prefix cache served).
+
 A pump thread per request forwards the engine's events into the event loop; the SSE generator sends
 them, with a keepalive comment while the engine is paused, so a paused stream is never mistaken for
 a dead one."""
@@ -20,7 +24,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from harness.api import GenerationRequest, TokenEvent
 from harness.control import schemas
-from harness.control.errors import ApiError
+from harness.control.errors import ApiError, invalid
+from harness.control.text import MAX_LOGPROBS, TextOut
 
 
 @dataclasses.dataclass
@@ -34,6 +39,7 @@ class Live:
     closed: bool = False
     outcome: str | None = None  # length | stop | abort | disconnected
     tokens: int = 0
+    text: TextOut = dataclasses.field(default_factory=lambda: TextOut(None))
 
 
 class Completions:
@@ -65,8 +71,8 @@ class Completions:
             "choices": [
                 {
                     "index": 0,
-                    "text": "",
-                    "logprobs": None,
+                    "text": live.text.piece([e.token_id for e in tokens], final=finish is not None),
+                    "logprobs": live.text.object(tokens),
                     "finish_reason": finish,
                     "stop_reason": None,
                     "token_ids": [e.token_id for e in tokens],
@@ -75,13 +81,54 @@ class Completions:
             ],
         }
 
-    def _usage(self, live: Live) -> dict[str, int]:
+    def _usage(self, live: Live) -> dict[str, Any]:
         n_prompt = len(live.stream.request.prompt_token_ids)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": n_prompt,
             "completion_tokens": live.tokens,
             "total_tokens": n_prompt + live.tokens,
         }
+        # vLLM adds it under --enable-prompt-tokens-details; we always do, when the engine says
+        cached = getattr(live.stream, "num_cached_tokens", None)
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    def _prompt_ids(self, body: schemas.CompletionBody) -> tuple[int, ...]:
+        """The prompt as token ids: as sent, or a string (alone or in a one-element list) encoded by
+        the engine's tokenizer; refused as vLLM refuses it (400 naming `prompt`)."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return tuple(prompt)  # type: ignore[arg-type]
+        text = prompt if isinstance(prompt, str) else prompt[0]
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if tokenizer is None:
+            raise invalid(
+                f"{type(self.engine).__name__} has no tokenizer: send the prompt as token ids", "prompt"
+            )
+        ids = tuple(tokenizer.encode(text))  # type: ignore[arg-type]
+        if not ids:
+            raise invalid("the prompt encodes to no tokens", "prompt")
+        if len(ids) > schemas.MAX_PROMPT_TOKENS:
+            raise invalid(f"the prompt is {len(ids)} tokens, more than {schemas.MAX_PROMPT_TOKENS}", "prompt")
+        return ids
+
+    def _logprobs(self, body: schemas.CompletionBody) -> int | None:
+        """The request's `logprobs`, refused as vLLM refuses it (400 naming `logprobs`)."""
+        n = body.logprobs
+        if n is None:
+            return None
+        if n < 0 and n != -1:
+            raise invalid("`logprobs` must be a positive value or -1.", "logprobs")
+        if n == -1 or n > MAX_LOGPROBS:  # -1: the whole vocabulary
+            asked = "the whole vocabulary" if n == -1 else n
+            raise invalid(
+                f"Requested sample logprobs of {asked}, which is greater than max allowed: {MAX_LOGPROBS}",
+                "logprobs",
+            )
+        if not getattr(self.engine, "reports_logprobs", False):
+            raise invalid(f"{type(self.engine).__name__} does not report log-probabilities", "logprobs")
+        return n
 
     def _settle(self, live: Live, outcome: str) -> None:
         if live.outcome is None:
@@ -109,6 +156,7 @@ class Completions:
     async def _submit(self, body: schemas.CompletionBody) -> Live:
         if body.model not in (None, self.config.model_name):
             raise ApiError(404, "NotFoundError", f"The model `{body.model[:100]}` does not exist.")
+        prompt, logprobs = self._prompt_ids(body), self._logprobs(body)
         if self._closing:
             raise ApiError(503, "ServiceUnavailable", "the server is shutting down")
         if len(self._live) >= self.config.max_inflight_requests:
@@ -121,11 +169,12 @@ class Completions:
         if rid in self._live:
             raise ApiError(409, "DuplicateRequestId", f"request id {rid!r} is already in flight")
         req = GenerationRequest(
-            rid, tuple(body.prompt), body.max_tokens or 16, tuple(body.stop_token_ids or ())
+            rid, prompt, body.max_tokens or 16, tuple(body.stop_token_ids or ()), logprobs=logprobs
         )
         stream = await self._in_thread(lambda: self.engine.submit(req), self._query_pool)
         self._loop = asyncio.get_running_loop()
-        live = Live(rid, stream, asyncio.Queue(), int(time.time()))
+        text = TextOut(getattr(self.engine, "tokenizer", None), logprobs)
+        live = Live(rid, stream, asyncio.Queue(), int(time.time()), text=text)
         self._live[rid] = live
         self.counters["submitted"] += 1
         threading.Thread(
@@ -134,7 +183,8 @@ class Completions:
         return live
 
     async def on_completions(self, request: Request, query: dict[str, Any], body: schemas.CompletionBody):
-        """POST /v1/completions: token ids in, token ids out, each stamped with its weight version."""
+        """POST /v1/completions: token ids or text in; text, token ids and (when asked) logprobs out,
+        each token stamped with its weight version."""
         live = await self._submit(body)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if not body.stream:

@@ -34,6 +34,7 @@ from harness.api import (
     WeightSpec,
 )
 from harness.engines import tiny_lm
+from harness.engines.byte_tokenizer import N_BYTES, ByteTokenizer
 from harness.engines.tiny_lm import FUSED_GROUPS, KVCache, ModelConfig
 from harness.manifest import dtype_name
 
@@ -50,6 +51,8 @@ class _Running:
 
 
 class ReferenceEngine(Engine):
+    reports_logprobs = True  # every TokenEvent carries its logprob (and top_logprobs when asked)
+
     def __init__(
         self,
         config: ModelConfig | None = None,
@@ -59,6 +62,8 @@ class ReferenceEngine(Engine):
         loads_in_place: bool = False,
     ):
         self.config = config or ModelConfig()
+        # one token per byte: the tiny decoder's 256 ids are the byte values (none for a smaller vocab)
+        self.tokenizer = ByteTokenizer(self.config.vocab_size) if self.config.vocab_size >= N_BYTES else None
         self.max_batch = max_batch
         self.loads_in_place = loads_in_place
         model_spec = tiny_lm.checkpoint_spec(self.config)
@@ -372,7 +377,22 @@ class ReferenceEngine(Engine):
                 finish = "stop"
             elif r.generated >= req.max_tokens:
                 finish = "length"
-            r.stream.push(TokenEvent(req.request_id, r.generated - 1, token, self._version, finish))
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            top = None
+            if req.logprobs:
+                values, ids = torch.topk(logprobs, min(req.logprobs, logprobs.numel()))
+                top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+            r.stream.push(
+                TokenEvent(
+                    req.request_id,
+                    r.generated - 1,
+                    token,
+                    self._version,
+                    finish,
+                    logprob=float(logprobs[token]),
+                    top_logprobs=top,
+                )
+            )
             if finish:
                 self._running.remove(r)
 
@@ -387,6 +407,7 @@ class ReferenceEngine(Engine):
                 cached, start = hit, n
                 self.prefix_cache_hits += 1
                 break
+        r.stream.num_cached_tokens = start  # read by /v1/completions' usage.prompt_tokens_details
         logits, cache = tiny_lm.forward(self.config, self._live, prompt[start:], cached)
         self._cache_prefix_blocks(prompt, cache)
         r.cache = cache

@@ -183,18 +183,19 @@ def wrong_field(draw) -> Probe:
                     "request_id",
                     "model",
                     "stream_options",
+                    "logprobs",
                 ]
             )
         )
         body[field] = draw(
             {
-                "prompt": not_of_type(list)
-                | st.just([])
+                "prompt": not_of_type(list, str)
+                | st.sampled_from([[], "", [""]])
                 | st.lists(
                     st.integers(max_value=-1) | st.integers(min_value=2**31) | st.text(max_size=3),
                     min_size=1,
                     max_size=3,
-                ),
+                ).filter(lambda p: not (len(p) == 1 and isinstance(p[0], str) and p[0])),  # [text] is valid
                 "max_tokens": not_of_type(int, type(None))
                 | st.integers(max_value=0)
                 | st.integers(min_value=schemas.MAX_NEW_TOKENS + 1),
@@ -211,6 +212,9 @@ def wrong_field(draw) -> Probe:
                 | st.text(min_size=1, max_size=40).filter(lambda s: s != "weightsync"),
                 "stream_options": not_of_type(dict, type(None))
                 | st.fixed_dictionaries({"include_usage": not_of_type(bool)}),
+                "logprobs": not_of_type(int, type(None))
+                | st.integers(max_value=-1)
+                | st.integers(min_value=21),  # vLLM's cap (--max-logprobs 20); -1 exceeds it too
             }[field]
         )
     return Probe("wrong field", "POST", path, _dumps(body))
