@@ -335,7 +335,7 @@ class ControlServer(Completions):
         version, label = schemas.parse_version(weight_version)
         with self._state_lock:
             committed = self.engine.weight_version
-            if version is not None and version == committed and self.lifecycle.version != version:
+            if version is not None and version == committed and not self._updating:
                 # a retry of a finish that already landed (its answer was lost): recognised, not re-applied
                 self.counters["finish_recognised"] += 1
                 return {
@@ -343,9 +343,12 @@ class ControlServer(Completions):
                     "weight_version": str(version),
                     "already_committed": True,
                 }
-            if version is not None and version < committed:
+            if version is not None and version <= committed:
+                # with an update open this is no retry: answering 200 would report a commit that never ran
+                staged = self.lifecycle.version
                 raise VersionError(
                     f"finish_weight_update({version}) but version {committed} is already committed"
+                    + (f" and version {staged} is staged" if self._updating and staged is not None else "")
                 )
             if self.lifecycle.failure is not None:
                 failure = self.lifecycle.failure

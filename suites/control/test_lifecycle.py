@@ -149,6 +149,24 @@ def test_finish_of_a_committed_version_is_recognised_not_reapplied(served, commi
     assert served.client.stats()["finish_recognised"] == 2
 
 
+def test_finish_of_the_committed_version_with_a_newer_one_staged_is_refused(served, commits):
+    """Not a retry: a 200 here would tell the client a commit landed while version 2 stays staged."""
+    served.push(1, weights_for(served.engine, seed=1))
+    staged = weights_for(served.engine, seed=2)
+    served.client.start_weight_update()
+    served.client.update_weights(served.deployment.sender.prepare(2, staged))
+    raw = httpx.post(
+        f"{served.url}/finish_weight_update", json={"weight_version": "1"}, headers=served.auth()
+    )
+    assert raw.status_code == 409 and raw.json()["error"]["type"] == "VersionError", raw.text
+    assert "version 2 is staged" in raw.json()["error"]["message"], raw.text
+    assert served.client.weight_status()["update_in_progress"] is True
+    assert served.client.stats()["finish_recognised"] == 0
+    served.client.finish_weight_update(2)
+    assert commits == [1, 2], f"commits {commits}"
+    assert_bitwise_equal(staged, served.engine.read_weights(), "version 2 after the refused finish(1)")
+
+
 def test_idempotency_key_reused_for_another_request_is_refused(served):
     url, key = f"{served.url}/update_weight_version", "key-0123456789"
     headers = {**served.auth(), "Idempotency-Key": key}

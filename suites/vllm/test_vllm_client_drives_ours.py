@@ -16,11 +16,10 @@ a real vLLM 0.32 server and checks `CASES[...].vllm`, so every difference betwee
 client's calls is named in one table.
 
 What vLLM's client can send and our server refuses (vLLM takes it): a `weight_version` label that is a
-number other than the staged version (409 VersionError), "0", "", one with a space or longer than 64
-characters (400); the update stays open, a finish the server takes commits it. A finish with nothing
-staged, or `init_weight_transfer_engine` with an update open, is 409 here and 200 on vLLM. One
-defect of ours (strict xfail below): a finish labelled with the number of the version already committed
-is answered 200 and applies nothing.
+number other than the staged version (409 VersionError; the committed version's number too, while a
+newer one is staged: only a finish with no update open is a retry), "0", "", one with a space or longer
+than 64 characters (400); the update stays open, a finish the server takes commits it. A finish with
+nothing staged, or `init_weight_transfer_engine` with an update open, is 409 here and 200 on vLLM.
 
     .ci-vllm-venv/bin/python -m pytest suites/vllm/test_vllm_client_drives_ours.py -m vllm
 """
@@ -275,17 +274,9 @@ def test_labels_vllm_takes_are_refused_here_and_the_update_stays_open(ours, case
     assert_delivered(pushed, ours.read_weights(), f"after finish({label!r}) was refused and retried")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "ours: a finish whose weight_version is the number of the version already committed ('2' while "
-        "version 3 is staged) is answered 200 as the retry of that commit (already_committed) and applies "
-        "nothing, leaving the update open; vLLM takes '2' as a label and applies the staged update. "
-        "vLLM's client sees success either way."
-    ),
-)
-def test_a_finish_labelled_with_the_committed_number_applies_the_staged_update(ours):
+def test_a_finish_labelled_with_the_committed_number_is_refused_and_the_update_stays_open(ours):
+    """'2' names version 2 here, already committed while version 3 is staged: not a retry of that commit
+    (which would answer 200 and apply nothing, telling vLLM's client the update landed) but a 409."""
     client = HTTPVLLMWeightSyncClient(ours.url)
     client.init_weight_transfer_engine(ours.sender.init())
     for version in (1, 2):
@@ -295,13 +286,14 @@ def test_a_finish_labelled_with_the_committed_number_applies_the_staged_update(o
     staged = ours.weights(seed=3)
     client.start_weight_update()
     client.update_weights(ours.sender.prepare(3, staged))
-    client.finish_weight_update("2")  # answered 200: vLLM's client raises nothing
-    status = ours.get("/weight_status")
-    bad = mismatches(staged, ours.read_weights())
-    assert not bad and not status["update_in_progress"], (
-        f"finish_weight_update('2') answered 200 but version 3 was not applied ({len(bad)} tensors differ, "
-        f"/weight_status {status}): the client was told the update landed"
+    resp = http_error(lambda: client.finish_weight_update("2"))
+    assert error_of(resp) == (409, "VersionError"), (
+        f"finish_weight_update('2'): {resp.status_code} {resp.text}"
     )
+    status = ours.get("/weight_status")
+    assert (status["engine_version"], status["update_in_progress"]) == (2, True), status
+    client.finish_weight_update(None)
+    assert_delivered(staged, ours.read_weights(), "version 3, finished after the refused finish('2')")
 
 
 # --------------------------------------------------------------------------------------------- the request script
@@ -590,10 +582,11 @@ CASES: dict[str, Case] = {
     ),
     "label_committed_number": Case(
         _finish_with("2"),
-        ("start 200", "update 200", "finish('2') 200", "weight_info '2'", "not landed"),
+        ("start 200", "update 200", "finish('2') 409 VersionError", "weight_info '2'", "not landed"),
         ("start 200", "update 200", "finish('2') 200", "weight_info '2'", "landed"),
-        "'2' names version 2, committed in round2: ours answers 200 as a retried finish and applies nothing "
-        "(a defect: test_a_finish_labelled_with_the_committed_number_applies_the_staged_update)",
+        "'2' names version 2, committed in round2, while version 3 is staged: ours refuses it (409, the "
+        "update stays open; test_a_finish_labelled_with_the_committed_number_is_refused_and_the_update_"
+        "stays_open); vLLM takes it as a label and applies the staged update",
     ),
     "label_numeric": Case(
         _finish_with("7000"),
