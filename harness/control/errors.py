@@ -70,7 +70,7 @@ def api_error(exc: BaseException) -> ApiError | None:
     for cls, status in _STATUS_OF:
         if isinstance(exc, cls):
             param = getattr(exc, "param", None)
-            if param is not None:  # a field that fails validation: vLLM's 400, whoever refused it
+            if param is not None or isinstance(exc, BadRequest):  # a refused request: vLLM's 400 shape
                 return invalid(str(exc), param)
             return ApiError(status, type(exc).__name__, str(exc))
     return None

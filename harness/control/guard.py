@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 
-from harness.control.errors import ApiError
+from harness.control.errors import BAD_REQUEST, ApiError
 
 
 class Guard:
@@ -60,7 +60,7 @@ class Guard:
         lengths = [v for k, v in headers if k.lower() == b"content-length"]
         if lengths:
             if len(lengths) > 1 or not lengths[0].isdigit():
-                await self._reply(send, 400, "BadRequest", "malformed Content-Length")
+                await self._reply(send, 400, BAD_REQUEST, "malformed Content-Length")
                 return
             if int(lengths[0]) > self.max_body_bytes:
                 await self._reply(

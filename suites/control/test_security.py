@@ -354,6 +354,7 @@ def test_update_paths_outside_the_allowed_directory_are_refused(served, outside_
         )
         assert resp.status_code == 400, f"{what} path {path!r}: {resp.status_code} {resp.text[:300]}"
         assert "path" in resp.json()["error"]["message"], resp.text
+        assert resp.json()["error"]["type"] == "Bad Request", f"not vLLM's 400 type: {resp.text[:300]}"
         served.client.abort_weight_update()
         assert_untouched(served, before)
     for smuggled in (
