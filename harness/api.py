@@ -151,6 +151,7 @@ class RequestStream:
         self._events: list[TokenEvent] = []
         self._cond = threading.Condition()
         self._done = False
+        self._listeners: list[Callable[[list[TokenEvent]], None]] = []
 
     # producer side (the engine)
     def push(self, event: TokenEvent) -> None:
@@ -161,6 +162,18 @@ class RequestStream:
             if event.finish_reason is not None:
                 self._done = True
             self._cond.notify_all()
+            for deliver in self._listeners:
+                deliver([event])
+
+    def subscribe(self, deliver: Callable[[list[TokenEvent]], None]) -> None:
+        """Call `deliver` with the events so far, then with each new one, in order, until the request
+        ends: a consumer that needs no thread of its own (the control server's streams). It runs on
+        the producer's thread under the stream's lock, so it must hand off and return (e.g.
+        `loop.call_soon_threadsafe`), never block."""
+        with self._cond:
+            self._listeners.append(deliver)
+            if self._events:
+                deliver(list(self._events))
 
     # consumer side
     @property

@@ -31,10 +31,12 @@ __all__ = ["ACCEPT_BACKLOG", "ClientLimits", "bounded_h11_protocol"]
 
 log = logging.getLogger("weightsync.control")
 
-FD_RESERVE = 128  # descriptors kept for the engine, the data plane, logs and the listening socket
-# asyncio accepts up to `backlog` sockets in one go before any of them can close an idle one; keeping
-# that batch inside the reserve keeps accept() from ever failing with EMFILE (which stalls it 1 s)
-ACCEPT_BACKLOG = FD_RESERVE // 2
+FD_RESERVE = 256  # descriptors kept for the engine, the data plane, logs and sockets being accepted
+# asyncio accepts up to `backlog` sockets per loop turn, and an accepted socket can close an idle one
+# only two or three turns later: about four batches are open before the first eviction frees a file.
+# Keeping those batches inside the reserve keeps accept() from failing with EMFILE (which logs a
+# traceback per socket and stops accepting for a second).
+ACCEPT_BACKLOG = 48
 BUSY_503 = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 

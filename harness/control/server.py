@@ -130,6 +130,7 @@ class ServerConfig:
     keepalive_s: float = 5.0  # SSE comment while a stream is idle (paused), so proxies and clients wait
     model_name: str = SERVER_NAME
     control_threads: int = 8
+    stream_threads: int = 4  # pumps for engine streams without RequestStream.subscribe (polled in slices)
     idempotency_capacity: int = 4096
     world_size: int = 1  # /get_world_size: inference workers behind this server (TP x PP)
     worker_index: int = 0  # which element of a list update_info is this server's (vLLM: its global rank)
@@ -164,6 +165,7 @@ class ControlServer(Completions):
         self.config = config
         self._control_pool = cf.ThreadPoolExecutor(config.control_threads, thread_name_prefix="control")
         self._query_pool = cf.ThreadPoolExecutor(4, thread_name_prefix="control-query")
+        self._stream_pool = cf.ThreadPoolExecutor(config.stream_threads, thread_name_prefix="control-stream")
         self._pause_lock = threading.Lock()  # pause, resume and abort-all never interleave
         self._state_lock = threading.Lock()  # the lifecycle bookkeeping below
         # Where the update stands, as every receiver keeps it: open (UPDATING, or FAILED after a refused
@@ -499,6 +501,10 @@ class ControlServer(Completions):
             "commits": c["commits"],
             "finish_recognised": c["finish_recognised"],
             "idempotent_replays": self._idempotency.replays,
+            # closed by harness.control.limits: header_timeout, body_timeout, evicted, refused
+            "connections": {
+                k.removeprefix("connections_"): v for k, v in c.items() if k.startswith("connections_")
+            },
         }
 
     def live_streams(self) -> dict[str, Any]:
@@ -692,6 +698,7 @@ class ControlServer(Completions):
                 self._loop.call_soon_threadsafe(live.queue.put_nowait, final)
         self._control_pool.shutdown(wait=False, cancel_futures=True)
         self._query_pool.shutdown(wait=False, cancel_futures=True)
+        self._stream_pool.shutdown(wait=False, cancel_futures=True)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -5,18 +5,19 @@ Prompts are token ids or, for an engine with a `tokenizer`, text; answers carry 
 (`harness.control.text`), vLLM's logprobs object when asked, and usage with
 `prompt_tokens_details.cached_tokens` (the prompt tokens the engine's prefix cache served).
 
-A pump thread per request forwards the engine's events into the event loop; the SSE generator sends
-them, with a keepalive comment while the engine is paused, so a paused stream is never mistaken for
-a dead one."""
+No thread per request: the engine's stream hands each event to the event loop as it is pushed
+(`RequestStream.subscribe`); a stream without that hook is polled in short slices by a bounded pool
+(`ServerConfig.stream_threads`). The SSE generator sends the events, with a keepalive comment while
+the engine is paused, so a paused stream is never mistaken for a dead one."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
-import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -26,6 +27,8 @@ from harness.api import GenerationRequest, TokenEvent
 from harness.control import schemas
 from harness.control.errors import ApiError, invalid
 from harness.control.text import MAX_LOGPROBS, TextOut
+
+PUMP_SLICE_S = 0.05  # how long a pooled pump waits on one stream before serving the next
 
 
 @dataclasses.dataclass
@@ -44,22 +47,35 @@ class Live:
 
 class Completions:
     """ControlServer's generation routes. Uses the server's engine, config, counters, `_live` (in-flight
-    requests by id), `_closing`, `_loop`, `_in_thread` and `_query_pool`."""
+    requests by id), `_closing`, `_loop`, `_in_thread`, `_query_pool` and `_stream_pool`."""
 
-    def _pump(self, live: Live, loop: asyncio.AbstractEventLoop) -> None:
-        """Forward the engine's events for one request into the event loop, until it finishes."""
-        i = 0
-        while not live.closed and not self._closing:
-            events = live.stream.events_after(i, timeout=0.5)
-            if not events:
-                continue
-            i += len(events)
+    def _forward(self, live: Live, loop: asyncio.AbstractEventLoop) -> Callable[[list[TokenEvent]], None]:
+        """A stream listener: hands the engine's events for one request to the event loop."""
+
+        def deliver(events: list[TokenEvent]) -> None:
+            if live.closed or self._closing or loop.is_closed():
+                return
             try:
                 loop.call_soon_threadsafe(live.queue.put_nowait, events)
-            except RuntimeError:  # the loop is gone: the server stopped
-                return
+            except RuntimeError:  # the loop closed in between: the server stopped
+                pass
+
+        return deliver
+
+    def _pump_slice(self, live: Live, deliver: Callable[[list[TokenEvent]], None], i: int) -> None:
+        """For a stream without `subscribe`: forward what arrived within one short wait, then give the
+        pool's thread to the next stream (requeued behind it) until this one finishes."""
+        if live.closed or self._closing:
+            return
+        events = live.stream.events_after(i, timeout=PUMP_SLICE_S)
+        if events:
+            deliver(events)
             if events[-1].finish_reason is not None:
                 return
+        try:
+            self._stream_pool.submit(self._pump_slice, live, deliver, i + len(events))
+        except RuntimeError:  # the pool shut down: the server stopped
+            pass
 
     def _chunk(self, live: Live, events: list[TokenEvent], finish: str | None) -> dict[str, Any]:
         tokens = [e for e in events if e.token_id is not None]
@@ -177,9 +193,12 @@ class Completions:
         live = Live(rid, stream, asyncio.Queue(), int(time.time()), text=text)
         self._live[rid] = live
         self.counters["submitted"] += 1
-        threading.Thread(
-            target=self._pump, args=(live, asyncio.get_running_loop()), name=f"pump-{rid[:24]}", daemon=True
-        ).start()
+        deliver = self._forward(live, self._loop)
+        subscribe = getattr(stream, "subscribe", None)
+        if callable(subscribe):  # no thread: the engine's own thread hands each event to the loop
+            subscribe(deliver)
+        else:
+            self._stream_pool.submit(self._pump_slice, live, deliver, 0)
         return live
 
     async def on_completions(self, request: Request, query: dict[str, Any], body: schemas.CompletionBody):

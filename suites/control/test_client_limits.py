@@ -1,6 +1,6 @@
 """The server stays up under idle and slow clients: headers and bodies have deadlines, open
-connections are capped below the file limit, and a connection being served is never cut off to make
-room. Raw sockets play the misbehaving clients; httpx plays the caller who must still be served."""
+connections are capped below the file limit, a connection being served is never cut off to make
+room, and open streams take no thread each. Raw sockets play the misbehaving clients; httpx plays the caller who must still be served."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
 
+from harness.api import GenerationRequest, RequestStream, TokenEvent
 from harness.control.limits import FD_RESERVE, ClientLimits
+from suites.control.helpers import start_streams
 
 
 def _connect(url: str) -> socket.socket:
@@ -55,6 +58,7 @@ def test_a_silent_connection_is_closed_at_the_header_deadline(make_served):
     assert sent == b"", f"a connection that never spoke should be closed silently; got {sent!r}"
     assert 0.3 < took < 5, f"closed after {took:.2f}s; header deadline 0.5s"
     assert _count(served, "header_timeout") == 1, dict(served.server.counters)
+    assert served.client.stats()["connections"] == {"header_timeout": 1}, served.client.stats()
 
 
 def test_trickled_headers_do_not_extend_the_deadline(make_served):
@@ -214,3 +218,80 @@ def test_1100_idle_sockets_do_not_stop_a_server_with_1024_files(tmp_path):
             s.close()
         proc.terminate()
         proc.wait(30)
+
+
+# --------------------------------------------------------------------------------------------- streams
+def _server_threads() -> dict[int, str]:
+    """Threads of this process other than the client's SSE readers (one per RemoteStream)."""
+    return {t.ident: t.name for t in threading.enumerate() if not t.name.startswith("sse-")}
+
+
+def test_open_streams_take_no_thread_each(served):
+    served.client.pause("keep")  # the streams stay open until resume
+    before = _server_threads()
+    streams = start_streams(served.client, 32, 4, "many")
+    assert len(served.server.live_streams()) == 32, sorted(served.server.live_streams())
+    new = {i: n for i, n in _server_threads().items() if i not in before}
+    assert all(n.startswith("control") for n in new.values()) and len(new) < 32, (
+        f"32 open streams started {len(new)} server threads: {sorted(new.values())}"
+    )
+    served.client.resume()
+    done = [s.result(60) for s in streams]
+    wrong = [
+        (c.request_id, c.finish_reason, len(c.token_ids))
+        for c in done
+        if (c.finish_reason, len(c.token_ids)) != ("length", 4)
+    ]
+    assert not wrong, f"streams that did not end with 4 tokens: {wrong}"
+
+
+class _NoSubscribe:
+    """An engine stream without RequestStream.subscribe (a third-party engine's): polled by the pool."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        if name == "subscribe":
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
+
+def test_streams_without_subscribe_share_the_bounded_pool(served, monkeypatch):
+    submit = served.engine.submit
+    monkeypatch.setattr(served.engine, "submit", lambda req: _NoSubscribe(submit(req)))
+    before = _server_threads()
+    streams = start_streams(served.client, 12, 6, "pooled")
+    done = [s.result(60) for s in streams]
+    wrong = [
+        (c.request_id, c.finish_reason, len(c.token_ids))
+        for c in done
+        if (c.finish_reason, len(c.token_ids)) != ("length", 6)
+    ]
+    assert not wrong, f"pooled streams that did not end with 6 tokens: {wrong}"
+    pumps = [n for i, n in _server_threads().items() if i not in before and n.startswith("control-stream")]
+    assert 1 <= len(pumps) <= served.server.config.stream_threads, (
+        f"{len(pumps)} pump threads for 12 streams; the pool holds {served.server.config.stream_threads}"
+    )
+
+
+def test_subscribe_delivers_every_event_once_in_order_while_the_engine_pushes():
+    stream = RequestStream(GenerationRequest("sub", (1, 2), 2000))
+    got: list[TokenEvent] = []
+    half = threading.Event()
+
+    def produce():
+        for i in range(2000):
+            stream.push(TokenEvent("sub", i, i % 256, 1, "length" if i == 1999 else None))
+            if i == 1000:
+                half.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    half.wait(30)
+    stream.subscribe(got.extend)  # mid-stream: the backlog first, then each new event
+    producer.join(30)
+    assert [e.index for e in got] == list(range(2000)), (
+        f"{len(got)} events, first out of order at "
+        f"{next((k for k, e in enumerate(got) if e.index != k), None)}"
+    )
