@@ -22,6 +22,7 @@ from harness.control.limits import ACCEPT_BACKLOG, ClientLimits, bounded_h11_pro
 from harness.control.server import (
     DEFAULT_HOST,
     LOOPBACK_HOSTS,
+    SERVER_NAME,
     TOKEN_VARIABLES,
     ControlServer,
     ServerConfig,
@@ -163,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         default=ClientLimits.max_connections,
         help="open connections at most, held below the file limit (default %(default)s)",
     )
+    ap.add_argument(
+        "--served-model-name", default=SERVER_NAME, help="the model name completions must name (vLLM's flag)"
+    )
+    ap.add_argument(
+        "--sse-keepalive",
+        type=float,
+        default=None,
+        help="seconds between ': keepalive' comments on an idle stream (default: none, as vLLM)",
+    )
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
@@ -185,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir=Path(args.workdir) if args.workdir else None,
         worker_index=args.worker_index,
         world_size=args.world_size,
+        model_name=args.served_model_name,
+        keepalive_s=args.sse_keepalive,
     )
     limits = ClientLimits(args.header_timeout, args.body_timeout, args.max_connections)
     thread = ServerThread(

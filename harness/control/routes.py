@@ -116,6 +116,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/completions", "on_completions", "Completions, text or token ids in, SSE with per-token versions",
           schemas.CompletionBody, body_required=True, errors=_s(404, 409, 429, 503)),
     Route("GET", "/health", "on_health", "Liveness"),
+    Route("GET", "/load", "on_load", "Completions in flight (vLLM's --enable-server-load-tracking answer)"),
     Route("GET", "/stats", "on_stats", "Request and commit counters", vllm=False),
 )  # fmt: skip
 

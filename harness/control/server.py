@@ -127,7 +127,9 @@ class ServerConfig:
     init_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # e.g. this server's rank
     max_body_bytes: int = 1 << 20
     max_inflight_requests: int = 256
-    keepalive_s: float = 5.0  # SSE comment while a stream is idle (paused), so proxies and clients wait
+    # seconds between ': keepalive' SSE comments while a stream is idle (paused), for proxies that cut
+    # idle connections; None, vLLM's behaviour: nothing but `data:` lines (its clients assert that)
+    keepalive_s: float | None = None
     model_name: str = SERVER_NAME
     control_threads: int = 8
     stream_threads: int = 4  # pumps for engine streams without RequestStream.subscribe (polled in slices)
@@ -624,6 +626,9 @@ class ControlServer(Completions):
 
     async def on_stats(self, request: Request, q: dict[str, Any], body: Any):
         return self.stats()
+
+    async def on_load(self, request: Request, q: dict[str, Any], body: Any):
+        return {"server_load": len(self._live)}
 
     # ------------------------------------------------------------------ app
     def _endpoint(self, route: routes.Route) -> Callable[[Request], Any]:

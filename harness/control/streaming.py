@@ -7,8 +7,9 @@ Prompts are token ids or, for an engine with a `tokenizer`, text; answers carry 
 
 No thread per request: the engine's stream hands each event to the event loop as it is pushed
 (`RequestStream.subscribe`); a stream without that hook is polled in short slices by a bounded pool
-(`ServerConfig.stream_threads`). The SSE generator sends the events, with a keepalive comment while
-the engine is paused, so a paused stream is never mistaken for a dead one."""
+(`ServerConfig.stream_threads`). The SSE generator sends the events as `data:` lines only, as vLLM does
+(its clients assert every line is one); `ServerConfig.keepalive_s` adds a comment while a stream is
+idle, for proxies that cut idle connections."""
 
 from __future__ import annotations
 

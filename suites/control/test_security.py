@@ -402,3 +402,17 @@ def test_server_keeps_serving_after_hostile_input(served):
     assert_bitwise_equal(w, served.engine.read_weights(), "push after garbage on every route")
     c = served.client.complete(request(3, "after-garbage"))
     assert (len(c.token_ids), c.versions_seen) == (3, {1}), c
+
+
+def test_cli_serves_the_model_name_it_is_given(tmp_path):
+    """vLLM's clients name the model they started the server with (`--served-model-name m`)."""
+    proc, lines, url = _start_cli(*_cli(["--served-model-name", "m"], _clean_env(), tmp_path))
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        named = httpx.post(url + "/v1/completions", json={**body, "model": "m"}, timeout=30)
+        other = httpx.post(url + "/v1/completions", json={**body, "model": "weightsync"}, timeout=30)
+        assert named.status_code == 200 and named.json()["model"] == "m", named.text[:300]
+        assert other.status_code == 404 and other.json()["error"]["type"] == "NotFoundError", other.text[:300]
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -5,6 +5,7 @@ lifecycle step out of order, decided before the body is read. suites/control/REA
 from __future__ import annotations
 
 import hashlib
+import time
 
 import httpx
 import pytest
@@ -268,3 +269,48 @@ def test_finish_has_no_checksum_option_in_vllm_0_32(served):
     refused = post(served, "/finish_weight_update", json={"weight_version": "1", "checksum": True})
     assert_error(refused, 400, "Bad Request", "body.checksum", "extra")
     assert post(served, "/finish_weight_update", json={"weight_version": "1"}).status_code == 200
+
+
+def _sse_lines(resp: httpx.Response) -> list[str]:
+    return [line for line in resp.iter_lines() if line]
+
+
+def test_a_stream_paused_mid_way_sends_only_data_lines_as_vllm_does(make_served):
+    """vLLM sends nothing while a stream is frozen and its clients assert every line is `data: `; a
+    keepalive comment (opt-in, ServerConfig.keepalive_s) broke vLLM's own pause test."""
+    quiet, chatty = make_served(), make_served(keepalive_s=0.05)
+    assert quiet.server.config.keepalive_s is None, "vLLM sends no keepalive; the default must not either"
+    for served, comments in ((quiet, False), (chatty, True)):
+        body = {"prompt": list(request(6).prompt_token_ids), "max_tokens": 6, "stream": True}
+        served.client.pause("keep")
+        with httpx.stream(
+            "POST", served.url + "/v1/completions", json=body, headers=served.auth(), timeout=30
+        ) as resp:
+            assert resp.status_code == 200, resp.read()
+            lines = resp.iter_lines()
+            # the request is queued behind the pause; its stream is open and idle
+            deadline = time.monotonic() + 10
+            while not served.server.live_streams() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            idle_until = time.monotonic() + 0.3  # six keepalive periods of the chatty server
+            while time.monotonic() < idle_until:
+                time.sleep(0.05)
+            served.client.resume()
+            seen = [line for line in lines if line]
+        others = [line for line in seen if not line.startswith("data: ")]
+        assert seen[-1] == "data: [DONE]", seen[-3:]
+        if comments:
+            assert others and set(others) == {": keepalive"}, f"keepalive_s=0.05 sent {others[:3]}"
+        else:
+            assert not others, f"default server sent non-data lines on a paused stream: {others[:3]}"
+
+
+def test_load_counts_completions_in_flight(served):
+    assert get(served, "/load").json() == {"server_load": 0}
+    served.client.pause("keep")
+    streams = [served.client.submit(request(3)) for _ in range(3)]
+    assert get(served, "/load").json() == {"server_load": 3}
+    served.client.resume()
+    for s in streams:
+        s.result(30)
+    assert get(served, "/load").json() == {"server_load": 0}
