@@ -22,7 +22,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -468,12 +468,7 @@ class ControlClient:
                 if resp.status_code >= 400:
                     resp.read()
                     raise error_from_response(resp)
-                for line in resp.iter_lines():
-                    if not line.startswith("data: "):
-                        continue  # blank separators and ': keepalive' comments
-                    if line[6:] == "[DONE]":
-                        break
-                    chunk = json.loads(line[6:])
+                for chunk in sse_chunks(resp):
                     out.id = out.id or str(chunk.get("id", ""))
                     if chunk.get("usage") is not None:
                         out.usage = chunk["usage"]
@@ -494,6 +489,17 @@ class ControlClient:
         stream.start()
         stream.wait_accepted(start_timeout or self.timeouts.control)
         return stream
+
+
+def sse_chunks(resp: httpx.Response) -> Iterator[JSON]:
+    """The JSON chunks of a /v1/completions event stream, up to `data: [DONE]` (blank separators and
+    `: keepalive` comments skipped)."""
+    for line in resp.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line[6:] == "[DONE]":
+            return
+        yield json.loads(line[6:])
 
 
 # --------------------------------------------------------------------------------------------- text
@@ -591,13 +597,7 @@ class RemoteStream(RequestStream):
                     self.error = error_from_response(resp)
                     return
                 self._accepted.set()
-                for line in resp.iter_lines():
-                    if not line.startswith("data: "):
-                        continue  # blank separators and ': keepalive' comments
-                    data = line[6:]
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
+                for chunk in sse_chunks(resp):
                     if self.server_request_id is None and isinstance(chunk.get("id"), str):
                         self.server_request_id = chunk["id"]
                     if not chunk.get("choices"):

@@ -115,8 +115,7 @@ def bounded_h11_protocol(limits: ClientLimits, counters: collections.Counter) ->
             if cycle is None or cycle.response_complete:
                 return
             if not cycle.more_body:  # the whole request is here
-                if self._watching is not cycle or self._deadline is not None:
-                    self._disarm()
+                self._disarm()
                 self._watching = cycle
             elif self._watching is not cycle:  # headers complete, body still coming
                 self._watching = cycle

@@ -54,11 +54,11 @@ class Completions:
         """A stream listener: hands the engine's events for one request to the event loop."""
 
         def deliver(events: list[TokenEvent]) -> None:
-            if live.closed or self._closing or loop.is_closed():
+            if live.closed or self._closing:
                 return
             try:
                 loop.call_soon_threadsafe(live.queue.put_nowait, events)
-            except RuntimeError:  # the loop closed in between: the server stopped
+            except RuntimeError:  # the loop is closed: the server stopped
                 pass
 
         return deliver
@@ -80,6 +80,7 @@ class Completions:
 
     def _chunk(self, live: Live, events: list[TokenEvent], finish: str | None) -> dict[str, Any]:
         tokens = [e for e in events if e.token_id is not None]
+        ids = [e.token_id for e in tokens]
         return {
             "id": live.request_id,
             "object": "text_completion",
@@ -88,11 +89,11 @@ class Completions:
             "choices": [
                 {
                     "index": 0,
-                    "text": live.text.piece([e.token_id for e in tokens], final=finish is not None),
+                    "text": live.text.piece(ids, final=finish is not None),
                     "logprobs": live.text.object(tokens),
                     "finish_reason": finish,
                     "stop_reason": None,
-                    "token_ids": [e.token_id for e in tokens],
+                    "token_ids": ids,
                     "token_weight_versions": [e.weight_version for e in tokens],  # weightsync extension
                 }
             ],
