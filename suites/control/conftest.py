@@ -79,13 +79,15 @@ class Served:
 def make_served(tmp_path: Path) -> Iterator[Callable[..., Served]]:
     """Factory: `make_served(max_batch=8, server_cls=ControlServer, limits=ClientLimits(...), **ServerConfig
     fields)` starts a server (server_cls: a deliberately broken one, for the meta tests; limits: its
-    deadlines and connection cap); all stop at teardown."""
+    deadlines and connection cap; thread_cls: how it runs, a broken one for the meta tests); all stop at
+    teardown."""
     started: list[Served] = []
 
     def make(
         max_batch: int = 8,
         server_cls: type[ControlServer] = ControlServer,
         limits: ClientLimits | None = None,
+        thread_cls: type[ServerThread] = ServerThread,
         **config: Any,
     ) -> Served:
         root = tmp_path / f"allowed-{len(started)}"
@@ -94,7 +96,7 @@ def make_served(tmp_path: Path) -> Iterator[Callable[..., Served]]:
         engine = ReferenceEngine(max_batch=max_batch)
         receiver = DiskReceiver(engine)
         cfg = ServerConfig(token=token, allowed_dirs=(root,), **config)
-        thread = ServerThread(server_cls(engine, receiver, cfg), limits=limits).start()
+        thread = thread_cls(server_cls(engine, receiver, cfg), limits=limits).start()
         client = ControlClient(thread.url, token=token)
         deployment = RemoteDeployment(DiskSender(root / "checkpoints"), [client], [engine.read_weights])
         served = Served(engine, receiver, thread, client, deployment, root, token, [client])

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import select
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -300,3 +306,30 @@ class LoseAnswers(httpx.BaseTransport):
 
     def close(self) -> None:
         self._inner.close()
+
+
+def start_cli(
+    args: Sequence[str], env: dict[str, str], workdir: Path, **popen: Any
+) -> tuple[subprocess.Popen, list[str], str, Path]:
+    """`python -m harness.control.app --allowed-dir workdir *args`, its output in a file (a pipe nobody
+    drains once the server is up would stall its logging). Returns the process, the lines it printed
+    up to `listening on URL`, the URL, and the log's path."""
+    log = workdir / f"cli-{next(_ids)}.log"
+    cmd = [sys.executable, "-m", "harness.control.app", "--allowed-dir", str(workdir), *args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, **popen)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        lines = log.read_text().splitlines()
+        said = [line for line in lines if "listening on" in line]
+        if said:  # printed once the socket is bound
+            return proc, lines, said[0].rsplit(" ", 1)[-1], log
+        select.select([], [], [], 0.05)
+    proc.kill()
+    proc.wait(30)
+    raise AssertionError(f"CLI exited {proc.returncode} without listening: {log.read_text()[-800:]}")
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without a control token: a CLI started with it runs without auth."""
+    return {k: v for k, v in os.environ.items() if k not in ("WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY")}

@@ -5,12 +5,9 @@ room, and open streams take no thread each. Raw sockets play the misbehaving cli
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +16,7 @@ import pytest
 
 from harness.api import GenerationRequest, RequestStream, TokenEvent
 from harness.control.limits import FD_RESERVE, ClientLimits
-from suites.control.helpers import start_streams
+from suites.control.helpers import clean_env, start_cli, start_streams
 
 
 def _connect(url: str) -> socket.socket:
@@ -61,22 +58,25 @@ def test_a_silent_connection_is_closed_at_the_header_deadline(make_served):
     assert served.client.stats()["connections"] == {"header_timeout": 1}, served.client.stats()
 
 
-def test_trickled_headers_do_not_extend_the_deadline(make_served):
-    served = make_served(limits=ClientLimits(header_timeout_s=0.8))
+def trickled_headers_are_cut(served, seconds: int = 10) -> float:
+    """Send one header line every 0.1 s (a slowloris client) for up to `seconds`; the time after which
+    the server cut the connection, or an AssertionError if it never did."""
     with contextlib.closing(_connect(served.url)) as sock:
         t0 = time.monotonic()
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
-        closed_after = None
-        for i in range(100):  # one header line every 0.1 s: a slowloris client
+        for i in range(seconds * 10):
             if _closed_within(sock, 0.1) is not None:
-                closed_after = time.monotonic() - t0
-                break
+                return time.monotonic() - t0
             try:
                 sock.sendall(b"x-drip-%d: 1\r\n" % i)
             except (BrokenPipeError, ConnectionResetError):
-                closed_after = time.monotonic() - t0
-                break
-    assert closed_after is not None, "a client trickling headers for 10 s was never cut off"
+                return time.monotonic() - t0
+    raise AssertionError(f"a client trickling headers for {seconds} s was never cut off")
+
+
+def test_trickled_headers_do_not_extend_the_deadline(make_served):
+    served = make_served(limits=ClientLimits(header_timeout_s=0.8))
+    closed_after = trickled_headers_are_cut(served)
     assert 0.6 < closed_after < 4, f"cut off after {closed_after:.2f}s; header deadline 0.8s"
     assert _count(served, "header_timeout") == 1, dict(served.server.counters)
     assert httpx.get(served.url + "/health").status_code == 200, "the server stopped answering after a cut"
@@ -187,24 +187,9 @@ def test_1100_idle_sockets_do_not_stop_a_server_with_1024_files(tmp_path):
         if hard != resource.RLIM_INFINITY and hard < need:
             pytest.skip(f"this process may open {hard} files; the test needs {need}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-    env = {k: v for k, v in os.environ.items() if k not in ("WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY")}
-    cmd = [sys.executable, "-m", "harness.control.app", "--allowed-dir", str(tmp_path)]
-    log = tmp_path / "server.log"  # a file, not a pipe that nobody drains once the server is up
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_limited_files(1024)
-        )
+    proc, _, url, log = start_cli([], clean_env(), tmp_path, preexec_fn=_limited_files(1024))
     idle: list[socket.socket] = []
     try:
-        url = None
-        deadline = time.monotonic() + 60
-        while url is None and proc.poll() is None and time.monotonic() < deadline:
-            said = [line for line in log.read_text().splitlines() if "listening on" in line]
-            if said:
-                url = said[0].rsplit(" ", 1)[-1]
-            else:
-                select.select([], [], [], 0.05)
-        assert url, f"CLI exited {proc.poll()} without listening: {log.read_text()[-800:]}"
         idle = [_connect(url) for _ in range(1100)]
         with httpx.Client(base_url=url, timeout=10) as http:
             assert http.get("/health").status_code == 200
@@ -226,6 +211,15 @@ def _server_threads() -> dict[int, str]:
     return {t.ident: t.name for t in threading.enumerate() if not t.name.startswith("sse-")}
 
 
+def _short(done, n: int) -> list[tuple[str, str | None, int]]:
+    """The completions that did not run to their n tokens: (id, finish_reason, tokens)."""
+    return [
+        (c.request_id, c.finish_reason, len(c.token_ids))
+        for c in done
+        if (c.finish_reason, len(c.token_ids)) != ("length", n)
+    ]
+
+
 def test_open_streams_take_no_thread_each(served):
     served.client.pause("keep")  # the streams stay open until resume
     before = _server_threads()
@@ -237,12 +231,7 @@ def test_open_streams_take_no_thread_each(served):
     )
     served.client.resume()
     done = [s.result(60) for s in streams]
-    wrong = [
-        (c.request_id, c.finish_reason, len(c.token_ids))
-        for c in done
-        if (c.finish_reason, len(c.token_ids)) != ("length", 4)
-    ]
-    assert not wrong, f"streams that did not end with 4 tokens: {wrong}"
+    assert not _short(done, 4), f"streams that did not end with 4 tokens: {_short(done, 4)}"
 
 
 class _NoSubscribe:
@@ -263,12 +252,7 @@ def test_streams_without_subscribe_share_the_bounded_pool(served, monkeypatch):
     before = _server_threads()
     streams = start_streams(served.client, 12, 6, "pooled")
     done = [s.result(60) for s in streams]
-    wrong = [
-        (c.request_id, c.finish_reason, len(c.token_ids))
-        for c in done
-        if (c.finish_reason, len(c.token_ids)) != ("length", 6)
-    ]
-    assert not wrong, f"pooled streams that did not end with 6 tokens: {wrong}"
+    assert not _short(done, 6), f"pooled streams that did not end with 6 tokens: {_short(done, 6)}"
     pumps = [n for i, n in _server_threads().items() if i not in before and n.startswith("control-stream")]
     assert 1 <= len(pumps) <= served.server.config.stream_threads, (
         f"{len(pumps)} pump threads for 12 streams; the pool holds {served.server.config.stream_threads}"

@@ -1,5 +1,5 @@
 """The suite itself: its checks fail control planes broken in the ways that matter (a pause mode
-dropped, retries re-applied, per-token versions missing, paths not confined)."""
+dropped, retries re-applied, per-token versions missing, paths not confined, no header deadline)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import httpx
 import pytest
 
 from harness.api import ManifestMismatch
+from harness.control.app import ServerThread
 from harness.control.errors import ApiError
 from harness.control.remote import RemoteDeployment
 from harness.control.schemas import BadRequest
 from harness.control.server import ControlServer, IdempotencyCache
 from harness.deployment import push
 from harness.paths.disk import DiskSender
-from suites.control import test_fuzz
+from suites.control import test_client_limits, test_fuzz
 from suites.control.helpers import PAUSE_SEMANTICS, LoseAnswers, update_under_load, weights_for
 
 
@@ -119,3 +120,17 @@ def test_fuzz_fails_a_server_answering_a_status_the_table_does_not_declare(make_
     with pytest.raises(AssertionError, match="does not declare"):
         test_fuzz.fuzz(served, 400, seen, statuses)
     assert statuses[403], f"the broken refusal was never reached: {dict(statuses)}"
+
+
+class UnboundedThread(ServerThread):
+    """uvicorn's own h11 protocol, as before harness.control.limits: no header deadline."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._uvicorn.config.http = "h11"
+
+
+def test_slowloris_check_fails_a_server_without_a_header_deadline(make_served):
+    served = make_served(thread_cls=UnboundedThread)
+    with pytest.raises(AssertionError, match="never cut off"):
+        test_client_limits.trickled_headers_are_cut(served, seconds=3)

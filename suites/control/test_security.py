@@ -19,7 +19,7 @@ from harness.control.app import ServerThread
 from harness.control.server import ControlServer, ServerConfig, token_from_environment
 from harness.engines.reference import ReferenceEngine
 from harness.paths.disk import DiskReceiver
-from suites.control.helpers import request, weights_for
+from suites.control.helpers import clean_env, request, start_cli, weights_for
 
 MUTATING = {
     "/pause": {"params": {"mode": "keep"}},
@@ -153,30 +153,15 @@ def _cli(args, env, tmp_path):
     return [sys.executable, "-m", "harness.control.app", "--allowed-dir", str(tmp_path), *args], env
 
 
-def _start_cli(cmd, env):
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:  # the listening line is printed once the socket is bound
-        lines.append(line)
-        if "listening on" in line:
-            return proc, lines, line.rsplit(" ", 1)[-1].strip()
-    proc.wait(30)
-    raise AssertionError(f"CLI exited {proc.returncode} without listening: {''.join(lines)[-800:]}")
-
-
-def _clean_env():
-    return {k: v for k, v in os.environ.items() if k not in ("WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY")}
-
-
 def test_cli_refuses_a_non_loopback_address_without_a_token(tmp_path):
-    cmd, env = _cli(["--host", "0.0.0.0"], _clean_env(), tmp_path)
+    cmd, env = _cli(["--host", "0.0.0.0"], clean_env(), tmp_path)
     refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2, (refused.returncode, refused.stderr[-500:])
     assert "0.0.0.0" in refused.stderr and "WEIGHTSYNC_CONTROL_TOKEN" in refused.stderr, refused.stderr[-500:]
 
 
 def test_cli_on_loopback_without_a_token_says_auth_is_off(tmp_path):
-    proc, lines, url = _start_cli(*_cli([], _clean_env(), tmp_path))
+    proc, lines, url, _ = start_cli([], clean_env(), tmp_path)
     try:
         assert url.startswith("http://127.0.0.1:"), lines
         assert any("authentication is off" in line for line in lines), f"CLI said {lines}"
@@ -189,7 +174,7 @@ def test_cli_on_loopback_without_a_token_says_auth_is_off(tmp_path):
 @pytest.mark.parametrize("variable", ["WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY"])
 def test_cli_takes_the_token_from_the_environment(tmp_path, variable):
     token = "cli-token-0123456789abcdef"
-    proc, lines, url = _start_cli(*_cli([], {**_clean_env(), variable: token}, tmp_path))
+    proc, lines, url, _ = start_cli([], {**clean_env(), variable: token}, tmp_path)
     try:
         assert url.startswith("http://127.0.0.1:"), f"CLI said {lines}"
         assert not any("authentication is off" in line for line in lines), lines
@@ -406,7 +391,7 @@ def test_server_keeps_serving_after_hostile_input(served):
 
 def test_cli_serves_the_model_name_it_is_given(tmp_path):
     """vLLM's clients name the model they started the server with (`--served-model-name m`)."""
-    proc, lines, url = _start_cli(*_cli(["--served-model-name", "m"], _clean_env(), tmp_path))
+    proc, _, url, _ = start_cli(["--served-model-name", "m"], clean_env(), tmp_path)
     try:
         body = {"prompt": "hi", "max_tokens": 2}
         named = httpx.post(url + "/v1/completions", json={**body, "model": "m"}, timeout=30)
