@@ -17,6 +17,7 @@ from harness import phases
 from harness.api import JSON, Engine, InPlaceLoad, ManifestMismatch, Receiver, WeightSyncError
 from harness.lifecycle import NEW, READY, UPDATING, Lifecycle
 from harness.manifest import Manifest, dtype_name
+from harness.paths.staging_pool import StagingPool
 
 
 def manifest_of(update_info: JSON) -> Manifest:
@@ -52,6 +53,7 @@ class StagingReceiver(Receiver, abc.ABC):
         self._load: InPlaceLoad | None = None  # engines that load in place: the open load of this version
         self._arrived: set[str] = set()  # names delivered for this version (staged or written in place)
         self._mutex = threading.Lock()
+        self.staging = StagingPool()  # host buffers a path receives into, reused once the engine lets go
 
     @property
     def state(self) -> str:
@@ -147,16 +149,19 @@ class StagingReceiver(Receiver, abc.ABC):
                         self.engine.commit_weights(staged, version)
             finally:
                 self._reset(READY)
+                self.staging.trim()
 
     def abort_weight_update(self) -> None:
         with self._mutex:
             self._lc.check_abort()
             self._reset(READY)
+            self.staging.trim()
 
     def shutdown(self) -> None:
         with self._mutex:
             self._shutdown()
             self._reset(NEW)
+            self.staging.clear()
 
     # ------------------------------------------------------------------ path hooks
     @abc.abstractmethod

@@ -282,7 +282,7 @@ class BroadcastReceiver(StagingReceiver):
             self._group,
             (
                 (
-                    torch.empty(size, dtype=torch.uint8, device=self.device),
+                    self._bucket_buffer(size),
                     f"version {manifest.version} bucket {b}/{n}",
                 )
                 for b, size in enumerate(manifest.bucket_sizes)
@@ -301,10 +301,15 @@ class BroadcastReceiver(StagingReceiver):
             raise mismatch[0]
         return out
 
+    def _bucket_buffer(self, size: int) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self.staging.take(size)  # warm pages: a fresh buffer pays a first touch per page
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
+
     def _unpack(self, manifest: Manifest, b: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed tensors on the host (the engine's memory), digested as each bucket lands while the next
-        is on the wire. A host bucket was received into fresh memory: its tensors are views of it (no
-        copy). A bucket that arrived on a GPU is unpacked and digested there, in one pass."""
+        is on the wire. A host bucket was received into a staging buffer that is the engine's from
+        now on: its tensors are views of it (no copy). A bucket that arrived on a GPU is unpacked and digested there, in one pass."""
         verified = getattr(self, "verified_in_transfer", None)
         if buf.device.type == "cuda":
             return {n: t.cpu() for n, t in manifest.unpack_bucket(b, buf, verified=verified).items()}

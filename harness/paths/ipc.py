@@ -40,7 +40,8 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def _map_segment(name: str) -> mmap.mmap:
-    """Map an existing segment read-only (copy-on-write) by its /dev/shm path.
+    """Map an existing segment read-only (copy-on-write) by its /dev/shm path, for one sync: no mapping
+    outlives the sync that named it (a kept one would pin a released segment's memory in the engine).
 
     Not through SharedMemory: before Python 3.13 attaching registers the segment with the resource
     tracker that spawned ranks share with the trainer, which then unlinks or double-unregisters it."""
@@ -257,7 +258,11 @@ class IpcReceiver(StagingReceiver):
                         f"segment {name} holds {view.numel()} bytes, expected {TOKEN_BYTES + size}"
                     )
                 self._check_token(bytes(view[:TOKEN_BYTES].numpy()), token, f"segment {name}")
-                return manifest.unpack_bucket(b, view[TOKEN_BYTES : TOKEN_BYTES + size])  # copies out
+                # copied out (the next sync rewrites the segment) into warm staging memory the engine takes
+                with phases.phase("unpack"):
+                    staged = self.staging.take(size)
+                    staged.copy_(view[TOKEN_BYTES : TOKEN_BYTES + size])
+                return manifest.unpack_bucket(b, staged, adopt=True)
             finally:
                 del view
         finally:

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from harness.backends import rank_deployment
 from harness.backends.broadcast import BroadcastBackend
 from harness.backends.control import ControlBackend, ControlDeployment
 from harness.backends.delta import DeltaBackend
@@ -19,7 +20,8 @@ from harness.paths import delta_codec
 from harness.paths.broadcast import BroadcastSender
 from harness.paths.delta import DeltaSender
 from harness.paths.disk import DiskSender
-from harness.paths.ipc import TOKEN_BYTES, IpcSender
+from harness.paths.ipc import TOKEN_BYTES, IpcReceiver, IpcSender
+from harness.paths.staging_pool import StagingPool
 
 
 class SignLosingSender(DiskSender):
@@ -352,3 +354,39 @@ class TailLosingIpcBackend(IpcBackend):
 
 def make_tail_losing_ipc_backend():
     return TailLosingIpcBackend()
+
+
+class _OneBufferPool(StagingPool):
+    """Keeps one staging buffer per size and hands it out on every sync: the naive reuse that forgets
+    the engine took the last one as its weights, so the next sync writes into what the engine serves."""
+
+    def take(self, nbytes):
+        kept = self.__dict__.setdefault("_one", {})
+        if nbytes not in kept:
+            kept[nbytes] = torch.empty(nbytes, dtype=torch.uint8)
+        return kept[nbytes]
+
+
+class OneBufferIpcReceiver(IpcReceiver):
+    def __init__(self, engine, device=None):
+        super().__init__(engine, device)
+        self.staging = _OneBufferPool()
+
+
+class OneBufferIpcBackend(IpcBackend):
+    name = "broken-one-buffer-ipc"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        return rank_deployment(
+            IpcSender(self.device, bucket_bytes or self.bucket_bytes),
+            "suites.meta.broken:OneBufferIpcReceiver",
+            n_receivers,
+            spec,
+            workdir,
+            engine,
+            self.timeout_s,
+        )
+
+
+def make_one_buffer_ipc_backend():
+    return OneBufferIpcBackend()

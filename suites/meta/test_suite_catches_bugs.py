@@ -202,3 +202,17 @@ def test_receivers_stream_into_an_engine_that_loads_in_place_on_every_path(pytes
     )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes.get("passed", 0) >= 30, result.stdout.str()[-3000:]
+
+
+def test_suite_fails_a_receiver_that_stages_into_the_memory_its_engine_serves(pytester):
+    """A staging pool that reuses its last buffer whatever holds it: a refused sync has already written
+    into the engine's weights, so 'loses nothing' fails (the real pool checks the buffer's use count)."""
+    result = _run(
+        pytester,
+        "--weightsync-backend=suites.meta.broken:make_one_buffer_ipc_backend",
+        "--weightsync-receivers=1",
+        "-k",
+        "corrupted_digest",
+    )
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(["*after forged digest*"])
