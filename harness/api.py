@@ -336,6 +336,21 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
+def copy_weights_into(current: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]) -> None:
+    """`out[name].copy_(current[name])` for every name of `out`, refusing a name, shape or dtype that
+    differs (copy_ would convert a dtype silently)."""
+    for name, dst in out.items():
+        src = current.get(name)
+        if src is None:
+            raise UnknownTensorError(f"the engine has no weight {name!r}")
+        if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            raise ManifestMismatch(
+                f"weight {name!r} is {tuple(src.shape)} {src.dtype} on the engine, "
+                f"{tuple(dst.shape)} {dst.dtype} where it is read into"
+            )
+        dst.copy_(src)
+
+
 class Engine(abc.ABC):
     """An inference engine that serves token-id requests and holds one committed weight version.
 
@@ -404,6 +419,13 @@ class Engine(abc.ABC):
     def read_weights(self) -> dict[str, torch.Tensor]:
         """Oracle: the parameters the forward pass uses, by checkpoint name, copied out (while an
         in-place load is open, those of the committed version)."""
+
+    def read_weights_into(self, out: Mapping[str, torch.Tensor]) -> None:
+        """What read_weights returns for the names of `out`, copied into `out`'s tensors (same shapes
+        and dtypes; nothing is converted): a receiver that patches the committed weights (delta) reads
+        its base into memory it already holds. Engines may copy straight from their live weights; this
+        default goes through read_weights."""
+        copy_weights_into(self.read_weights(), out)
 
     def check_update(self, names: Iterable[str], version: int) -> None:
         """Refuse an update before any byte is staged: a version not newer than the committed one,

@@ -32,6 +32,7 @@ from harness.api import (
     UnknownTensorError,
     VersionError,
     WeightSpec,
+    copy_weights_into,
 )
 from harness.engines import tiny_lm
 from harness.engines.byte_tokenizer import N_BYTES, ByteTokenizer
@@ -148,6 +149,15 @@ class ReferenceEngine(Engine):
             if self._loading is not None:
                 weights.update({n: t.clone() for n, t in self._loading.undo.items()})
             return weights
+
+    def read_weights_into(self, out: Mapping[str, torch.Tensor]) -> None:
+        """read_weights' values for the names of `out`, copied from the live tensors (no allocation)."""
+        with self._priority():
+            self._refuse_while_asleep("read_weights")
+            current = tiny_lm.unfuse(self._live, self.config)  # views of the live tensors
+            if self._loading is not None:
+                current.update(self._loading.undo)
+            copy_weights_into(current, out)
 
     # ------------------------------------------------------------------ Engine: requests
     def submit(self, request: GenerationRequest) -> RequestStream:

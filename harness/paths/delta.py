@@ -207,14 +207,25 @@ class DeltaReceiver(StagingReceiver):
                 f"version {manifest.version}: delta entries do not match the manifest's tensors"
             )
         sparse = [n for n, e in entries.items() if e.get("mode") == "sparse"]
-        current = self.engine.read_weights() if sparse else {}
         if sparse and delta.get("base_version") != self.engine.weight_version:
             raise BaseMismatch(
                 f"version {manifest.version}: patch made against version {delta.get('base_version')}, engine holds "
                 f"version {self.engine.weight_version}; refused (send it dense, or the right patch)"
             )
+        current = self._read_base(manifest, sparse)
         with phases.phase("unpack"):  # patching staging copies of the base
             return self._apply(manifest, entries, payload, current)
+
+    def _read_base(self, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
+        """The committed values of the patched tensors, copied into staging memory (warm: reused once
+        the engine lets go of it) that becomes the new version once patched in place."""
+        base = {}
+        for name in names:
+            e = manifest.entry(name)
+            base[name] = from_bytes(self.staging.take(e.nbytes), e.shape, e.torch_dtype)
+        with phases.phase("unpack"):
+            self.engine.read_weights_into(base)
+        return base
 
     def _apply(
         self,
@@ -241,7 +252,7 @@ class DeltaReceiver(StagingReceiver):
                 str(e.get("encoding")), payload[f"{name}#idx"], int(e.get("count", -1))
             )
             idx = codec.decode_indices(enc, base.numel())
-            # read_weights() copied the base out (the Engine contract): patch that copy in place
+            # the base was copied into staging memory (_read_base): patch that copy in place
             out[name] = codec.apply_patch(base, idx, payload[f"{name}#val"], in_place=True).reshape(
                 spec.shape
             )

@@ -42,11 +42,17 @@ def changed_indices(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         if old_words is not None:
             words = (old_words != new_words).nonzero().reshape(-1)
             if words.numel() * per_word <= old.numel() // 4:
-                # which lanes of each changed word differ (little-endian: element k at bits 8*width*k)
-                diff = torch.index_select(old_words, 0, words) ^ torch.index_select(new_words, 0, words)
-                shifts = torch.arange(per_word, dtype=torch.int64) * (8 * width)
-                lanes = ((diff[:, None] >> shifts) & ((1 << (8 * width)) - 1)) != 0
-                return torch.masked_select(words[:, None] * per_word + torch.arange(per_word), lanes)
+                # which elements of each changed word differ: the changed words seen as elements again
+                # (memory order, so no endianness), compared lane by lane
+                lanes = (
+                    (
+                        old_words.index_select(0, words).view(old_bits.dtype)
+                        != new_words.index_select(0, words).view(old_bits.dtype)
+                    )
+                    .nonzero()
+                    .reshape(-1)
+                )
+                return words[lanes // per_word] * per_word + lanes % per_word
     return (old_bits != new_bits).nonzero().reshape(-1)
 
 
