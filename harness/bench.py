@@ -57,6 +57,7 @@ class SyncRow:
     wrong: int
     floor: float = 0.0
     changed: float = 0.0  # delta paths: the fraction of entries each new version changes
+    bucket_bytes: int | None = None  # the bucket sweep's bucket size; None: the backend's own
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # start, prepare, transfer, finish
     parts: dict[str, float] = dataclasses.field(default_factory=dict)  # BAR_PARTS of the median repeat
     sender: dict[str, float] = dataclasses.field(
@@ -327,18 +328,24 @@ def ceiling_kind(backend: Backend) -> str | None:
 
 
 def make_ceiling(
-    backend: Backend, weights: dict[str, torch.Tensor], receivers: int, workdir: str
+    backend: Backend,
+    weights: dict[str, torch.Tensor],
+    receivers: int,
+    workdir: str,
+    bucket_bytes: int | None = None,
 ) -> Ceiling | None:
     """The raw transport under the path: file write+read, bare gloo broadcast, or memcpy. The gloo
     ceiling broadcasts the messages the path puts on the wire: its bucket plan for these tensors (a
     tensor larger than a bucket goes whole), not the payload cut at bucket_bytes (64 messages of 1 MiB
-    took 52 ms where the path's 8 of 8 MiB take 20: a ceiling the path beats is no ceiling)."""
+    took 52 ms where the path's 8 of 8 MiB take 20: a ceiling the path beats is no ceiling).
+    `bucket_bytes`: the unit the path was deployed with, where it is not the backend's own."""
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     kind = ceiling_kind(backend)
     if kind == "disk":
-        return DiskCeiling(nbytes, workdir, receivers, getattr(backend, "shard_bytes", 1 << 40))
+        shard_bytes = bucket_bytes or getattr(backend, "shard_bytes", 1 << 40)
+        return DiskCeiling(nbytes, workdir, receivers, shard_bytes)
     if kind == "gloo":
-        bucket_bytes = getattr(backend, "bucket_bytes", DEFAULT_BUCKET_BYTES)
+        bucket_bytes = bucket_bytes or getattr(backend, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
         return GlooCeiling(list(Manifest.build(0, weights, bucket_bytes).bucket_sizes), receivers)
     if kind == "memcpy":
         return MemcpyCeiling(nbytes, receivers)
@@ -377,7 +384,9 @@ class SyncBench:
     `push(weights)` (timed, with its phases); `row()` at the end.
 
     Delta paths push a new version with `fraction` (default 1%) of entries changed each time (the RL
-    regime) and count the dense bytes delivered (effective bandwidth)."""
+    regime) and count the dense bytes delivered (effective bandwidth). `bucket_bytes` deploys the path
+    with that unit (the ceiling takes the same bucket plan); only a backend that claims `buckets` takes it.
+    `n_tensors`: how many tensors the payload is cut into (buckets pack several small ones)."""
 
     def __init__(
         self,
@@ -389,15 +398,26 @@ class SyncBench:
         fraction: float | None = None,
         repeats: int = 5,
         engine: str | None = None,
+        bucket_bytes: int | None = None,
+        n_tensors: int = 8,
     ):
+        if bucket_bytes is not None and not backend.capabilities.buckets:
+            raise ValueError(
+                f"backend {backend.name!r} does not claim the buckets capability: "
+                f"it cannot be deployed with bucket_bytes={bucket_bytes}"
+            )
+        if bucket_bytes is not None and bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.backend, self.receivers, self.floor, self.engine = backend, receivers, floor, engine
-        self.weights = payload(size)
+        self.bucket_bytes = bucket_bytes
+        self.weights = payload(size, n_tensors)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.changed = (
             (DEFAULT_CHANGED if fraction is None else fraction) if backend.capabilities.delta else 0.0
         )
         self._versions = _versions(self.weights, self.changed, repeats + 1)
-        self._workdir = str(Path(workdir) / f"{backend.name}-{size}-{receivers}")
+        bucket = f"-b{bucket_bytes}" if bucket_bytes else ""  # rows of a sweep do not share a directory
+        self._workdir = str(Path(workdir) / f"{backend.name}-{size}-{receivers}{bucket}")
         self._samples: list[tuple] = []  # (total, laps, sender at prepare, sender, receivers)
         self._ceiling_times: list[float] = []
         self._version = iter(range(1, 1 << 30))
@@ -406,13 +426,15 @@ class SyncBench:
     def __enter__(self) -> Self:
         self._was_recording = phases.enabled()
         phases.set_enabled(True)  # before deploy: spawned ranks record too
-        by_engine = {"engine": self.engine} if self.engine else {}  # None: the backend's own default
-        self.deployment = self.backend.deploy(
-            self.receivers, spec_of(self.weights), self._workdir, **by_engine
-        )
+        kwargs = {"engine": self.engine} if self.engine else {}  # None: the backend's own default
+        if self.bucket_bytes is not None:  # only then: a backend without buckets may not take the argument
+            kwargs["bucket_bytes"] = self.bucket_bytes
+        self.deployment = self.backend.deploy(self.receivers, spec_of(self.weights), self._workdir, **kwargs)
         self._take_ranks = getattr(self.deployment, "take_phases", lambda: [])
         try:
-            self.ceiling = make_ceiling(self.backend, self.weights, self.receivers, self._workdir)
+            self.ceiling = make_ceiling(
+                self.backend, self.weights, self.receivers, self._workdir, self.bucket_bytes
+            )
             push(
                 self.deployment, next(self._version), self.weights
             )  # warm-up: connections, page cache, allocator
@@ -486,6 +508,7 @@ class SyncBench:
             wrong,
             floor=self.floor,
             changed=self.changed,
+            bucket_bytes=self.bucket_bytes,
             steps=laps,
             parts=_critical_parts(laps, at_prepare, ranks),
             sender=sender,
@@ -531,21 +554,35 @@ def measure_sync(
     floors: dict[str, float] | None = None,
     fraction: float | None = None,
     engine: str | None = None,
+    bucket_bytes: int | None = None,
+    n_tensors: int = 8,
 ) -> list[SyncRow]:
     """One row per size (SyncBench): the median of `repeats` full pushes, each preceded by two ceiling
     repeats; the ceiling is the best of its repeats. `engine`: the import path of the receivers' engine
-    factory, None for the backend's default (it must take any bf16 spec: Capabilities.arbitrary_tensors)."""
+    factory, None for the backend's default (it must take any bf16 spec: Capabilities.arbitrary_tensors).
+    `bucket_bytes`, `n_tensors`: as SyncBench takes them; a row of the bucket sweep is measured, not gated."""
     rows = []
+    swept = fraction not in (None, DEFAULT_CHANGED) or bucket_bytes is not None
+    unit = f", {bucket_bytes / 2**20:g} MiB buckets" if bucket_bytes else ""
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         for size in sizes:
-            # delta is gated in the RL regime only; the other fractions of a sweep are measured, not gated
-            floor = floor_for(backend.name, size, floors) if fraction in (None, DEFAULT_CHANGED) else 0.0
+            # gated in the RL regime at the backend's own unit; the rest of a sweep is measured, not gated
+            floor = 0.0 if swept else floor_for(backend.name, size, floors)
             with SyncBench(
-                backend, size, receivers, workdir or tmp, floor, fraction, repeats, engine
+                backend,
+                size,
+                receivers,
+                workdir or tmp,
+                floor,
+                fraction,
+                repeats,
+                engine,
+                bucket_bytes=bucket_bytes,
+                n_tensors=n_tensors,
             ) as bench:
                 for i in range(repeats):
                     progress(
-                        f"{backend.name}: {receivers} receiver(s), {bench.nbytes / 2**20:.0f} MiB, "
+                        f"{backend.name}: {receivers} receiver(s), {bench.nbytes / 2**20:.0f} MiB{unit}, "
                         f"repeat {i + 1}/{repeats}"
                     )
                     args, _ = bench.before()

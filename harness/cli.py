@@ -227,7 +227,8 @@ def throughput_table(rows: list, note: str) -> Table:
 
 def bench(args: argparse.Namespace) -> int:
     """The throughput table, its breakdown and the scaling tables over a grid of sizes and receiver
-    counts (and changed fractions for delta paths), gated like certify's, as reports/bench-<stamp>/."""
+    counts (and changed fractions for delta paths, bucket sizes with --bucket-mib), gated like certify's,
+    as reports/bench-<stamp>/."""
     from harness.bench import CPU_FLOORS, DEFAULT_CHANGED, measure_sync, parse_floors
     from harness.perf_report import write_perf_report
 
@@ -235,6 +236,10 @@ def bench(args: argparse.Namespace) -> int:
         floors = parse_floors(args.floor, CPU_FLOORS)
         backends = [resolve_backend(name) for name in args.backend]
         engine, note = throughput_engine(args.engine)
+        if any(mib <= 0 for mib in args.bucket_mib):
+            raise ValueError(
+                f"--bucket-mib {args.bucket_mib}: every bucket size must be a positive MiB count"
+            )
     except (ValueError, WeightSyncError) as exc:
         console.print(f"[red]{exc}[/]")
         return 2
@@ -261,17 +266,55 @@ def bench(args: argparse.Namespace) -> int:
                         progress=lambda msg: status.update(f"[bold]bench[/] {msg}"),
                         engine=engine,
                     )
-                for r in rows[done:]:
-                    console.print(
-                        f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
-                        f"{f' {r.changed:.1%} changed' if r.changed else ''}: {r.time_s * 1e3:.1f} ms, "
-                        f"ratio {r.ratio:.2f} ({r.verdict}), #wrong {r.wrong}"
-                    )
+                _print_rows(rows[done:])
+        if args.bucket_mib and not backend.capabilities.buckets:
+            console.print(f"{backend.name}: no bucket sweep (it does not claim the buckets capability)")
+        elif args.bucket_mib and counts:
+            done = len(rows)
+            rows += bucket_sweep(backend, max(sizes), min(counts), args, floors, engine)
+            _print_rows(rows[done:])
     report = write_perf_report(out, rows, "weightsync " + shlex.join(sys.argv[1:]))
     verdict = json.loads((out / "results.json").read_text())["verdict"]
     console.print(f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/] report: {report}")
     print(report)
     return 0 if verdict == "PASS" else 1
+
+
+#: The bucket sweep's payload is cut into tensors of about this size, so buckets matter: a bucket bigger
+#: than a tensor packs several, a tensor bigger than a bucket goes whole.
+SWEEP_TENSOR_BYTES = 1 << 20
+
+
+def bucket_sweep(backend, size: int, rx: int, args: argparse.Namespace, floors, engine: str) -> list:
+    """One row per --bucket-mib at the largest size and the fewest receivers, over a payload of
+    ~1 MiB tensors (measured, not gated)."""
+    from harness.bench import measure_sync
+
+    rows = []
+    for mib in args.bucket_mib:
+        with console.status(f"[bold]bench[/] {backend.name} {mib} MiB buckets ...") as status:
+            rows += measure_sync(
+                backend,
+                [size],
+                rx,
+                repeats=args.repeats,
+                floors=floors,
+                progress=lambda msg: status.update(f"[bold]bench[/] {msg}"),
+                engine=engine,
+                bucket_bytes=mib << 20,
+                n_tensors=max(8, size // SWEEP_TENSOR_BYTES),
+            )
+    return rows
+
+
+def _print_rows(rows: list) -> None:
+    for r in rows:
+        console.print(
+            f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
+            f"{f' {r.changed:.1%} changed' if r.changed else ''}"
+            f"{f' {r.bucket_bytes / 2**20:g} MiB buckets' if r.bucket_bytes else ''}: {r.time_s * 1e3:.1f} ms, "
+            f"ratio {r.ratio:.2f} ({r.verdict}), #wrong {r.wrong}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[0.001, 0.01, 0.05, 0.25, 0.5],
         help="changed fractions for delta paths (the crossover sweep: largest size, fewest receivers)",
+    )
+    b.add_argument(
+        "--bucket-mib",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="MIB",
+        help="bucket sizes to sweep, e.g. 16 64 256 1024: per path with buckets, at the largest size and "
+        "the fewest receivers, over ~1 MiB tensors (default: no bucket sweep)",
     )
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument(
