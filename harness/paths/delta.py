@@ -188,6 +188,9 @@ class DeltaReceiver(StagingReceiver):
     def __init__(self, engine):
         super().__init__(engine)
         self.transport = self.transport_cls(engine)
+        # one pool: the transport's own would never be trimmed (its finish is never called), and patch
+        # payloads change size every sync
+        self.transport.staging = self.staging
         self.must_drain = self.transport.must_drain
 
     def _init(self, init_info: JSON) -> None:

@@ -61,3 +61,16 @@ def test_trim_keeps_one_update_worth_of_spares():
     del in_use
     pool.trim()
     assert pool.kept_bytes == 0, pool.kept_bytes
+
+
+def test_a_delta_receiver_and_its_transport_share_one_pool():
+    """The transport's receive is called by the delta receiver, never its finish: a pool of its own would
+    never be trimmed, and patch payloads change size every sync, so it would grow without bound."""
+    from harness.engines.reference import ReferenceEngine
+    from harness.paths.delta import DeltaIpcReceiver, DeltaReceiver
+
+    for cls in (DeltaReceiver, DeltaIpcReceiver):
+        receiver = cls(ReferenceEngine())
+        assert receiver.transport.staging is receiver.staging, (
+            f"{cls.__name__}: the transport has a pool of its own"
+        )
