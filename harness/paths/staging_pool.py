@@ -23,7 +23,9 @@ def _free(storage: torch.UntypedStorage) -> bool:
 
 class StagingPool:
     def __init__(self) -> None:
-        self._kept: list[torch.UntypedStorage] = []
+        # by size, least recently handed out first: in steady state the front one is last version's,
+        # which the engine let go of (a model has hundreds of same-size tensors: a take is one check)
+        self._kept: dict[int, list[torch.UntypedStorage]] = {}
         self._taken_bytes = 0  # handed out since the last trim
         self.reused = 0  # buffers handed out again (tests and benchmarks read these)
         self.allocated = 0
@@ -31,29 +33,38 @@ class StagingPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 host buffer of exactly `nbytes`: a free kept one, else a new one."""
         self._taken_bytes += nbytes
-        for storage in self._kept:
-            if storage.nbytes() == nbytes and _free(storage):
-                self.reused += 1
-                return torch.empty(0, dtype=torch.uint8).set_(storage)
+        same = self._kept.setdefault(nbytes, [])
+        # only the least recently handed out is looked at: the ones after it were handed out later and
+        # are held too (a scan would cost n^2 checks on the sync after the first); trim() bounds the rest
+        if same and _free(same[0]):
+            storage = same.pop(0)
+            same.append(storage)
+            self.reused += 1
+            return torch.empty(0, dtype=torch.uint8).set_(storage)
         buf = torch.empty(nbytes, dtype=torch.uint8)
-        self._kept.append(buf.untyped_storage())
+        same.append(buf.untyped_storage())
         self.allocated += 1
         return buf
 
     def trim(self) -> None:
-        """After an update ends: keep free buffers up to the bytes it took (the next one's spares)."""
-        budget, kept = self._taken_bytes, []
-        for storage in self._kept:
-            if not _free(storage):
-                kept.append(storage)
-            elif storage.nbytes() <= budget:
-                budget -= storage.nbytes()
-                kept.append(storage)
+        """After an update ends: keep free buffers up to the bytes it took (the next one's spares), put
+        first in their size's line so take() finds them; buffers still held stay, behind them."""
+        budget, kept = self._taken_bytes, {}
+        for size, same in self._kept.items():
+            free, held = [], []
+            for storage in same:
+                if not _free(storage):
+                    held.append(storage)
+                elif size <= budget:
+                    budget -= size
+                    free.append(storage)
+            if free or held:
+                kept[size] = free + held
         self._kept, self._taken_bytes = kept, 0
 
     def clear(self) -> None:
-        self._kept, self._taken_bytes = [], 0
+        self._kept, self._taken_bytes = {}, 0
 
     @property
     def kept_bytes(self) -> int:
-        return sum(s.nbytes() for s in self._kept)
+        return sum(size * len(same) for size, same in self._kept.items())

@@ -74,3 +74,15 @@ def test_a_delta_receiver_and_its_transport_share_one_pool():
         assert receiver.transport.staging is receiver.staging, (
             f"{cls.__name__}: the transport has a pool of its own"
         )
+
+
+def test_a_buffer_held_for_long_does_not_stop_reuse_of_the_others():
+    """A request that keeps one old tensor alive across syncs: the others of its size still come back."""
+    pool = StagingPool()
+    pinned = pool.take(256)  # held for the whole test, ahead of the others in the pool's line
+    for _ in range(4):  # each update: one buffer of the same size, dropped by the next commit
+        buf = pool.take(256)
+        del buf
+        pool.trim()
+    assert pool.allocated <= 3, f"{pool.allocated} buffers allocated for one pinned and one cycling"
+    del pinned
