@@ -403,8 +403,8 @@ def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
         "",
         "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
         "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
-        "the fastest kept (disk: write+fsync, then every receiver reads; broadcast: bare gloo broadcast of "
-        "the same buckets; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
+        "the fastest kept (disk: write+fsync, then every receiver process maps the files; broadcast: bare gloo broadcast of "
+        "the path's own messages to receiver processes; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
         "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).",
         "",
     ]
