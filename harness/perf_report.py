@@ -122,6 +122,16 @@ def bucket_table(rows: list[SyncRow]) -> list[str]:
     return lines
 
 
+def _time_lines(ax, rows: list[SyncRow], group, x, label) -> None:
+    """One line of median push time (ms) against x(row) per group of rows, in group order."""
+    groups: dict[tuple, list[SyncRow]] = {}
+    for r in rows:
+        groups.setdefault(group(r), []).append(r)
+    for key, members in sorted(groups.items()):
+        members.sort(key=x)
+        ax.plot([x(r) for r in members], [r.time_s * 1e3 for r in members], marker="o", label=label(key))
+
+
 def plot_buckets(rows: list[SyncRow], path: Path) -> bool:
     """Time against bucket size (log x), one line per path (and size and receivers where several)."""
     swept = [r for r in rows if r.bucket_bytes]
@@ -129,17 +139,13 @@ def plot_buckets(rows: list[SyncRow], path: Path) -> bool:
         return False
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    groups: dict[tuple[str, int, int], list[SyncRow]] = {}
-    for r in swept:
-        groups.setdefault((r.path, r.size_bytes, r.receivers), []).append(r)
-    for (name, size, rx), group in sorted(groups.items()):
-        group.sort(key=lambda r: r.bucket_bytes)
-        ax.plot(
-            [r.bucket_bytes / 2**20 for r in group],
-            [r.time_s * 1e3 for r in group],
-            marker="o",
-            label=f"{name} {size / 2**20:.0f} MiB {rx}rx",
-        )
+    _time_lines(
+        ax,
+        swept,
+        group=lambda r: (r.path, r.size_bytes, r.receivers),
+        x=lambda r: r.bucket_bytes / 2**20,
+        label=lambda g: f"{g[0]} {g[1] / 2**20:.0f} MiB {g[2]}rx",
+    )
     ax.set_xscale("log", base=2)
     units = sorted({r.bucket_bytes / 2**20 for r in swept})
     ax.set_xticks(units, [f"{u:g}" for u in units])  # the swept sizes, not powers of two
@@ -163,17 +169,13 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
         return False
     plt = _plt()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    groups: dict[tuple[str, int], list[SyncRow]] = {}
-    for r in dense:
-        groups.setdefault((r.path, r.receivers), []).append(r)
-    for (name, rx), group in sorted(groups.items()):
-        group.sort(key=lambda r: r.size_bytes)
-        left.plot(
-            [r.size_bytes / 2**20 for r in group],
-            [r.time_s * 1e3 for r in group],
-            marker="o",
-            label=f"{name} {rx}rx",
-        )
+    _time_lines(
+        left,
+        dense,
+        group=lambda r: (r.path, r.receivers),
+        x=lambda r: r.size_bytes / 2**20,
+        label=lambda g: f"{g[0]} {g[1]}rx",
+    )
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("payload (MiB)")
