@@ -309,7 +309,8 @@ class BroadcastReceiver(StagingReceiver):
     def _unpack(self, manifest: Manifest, b: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed tensors on the host (the engine's memory), digested as each bucket lands while the next
         is on the wire. A host bucket was received into a staging buffer that is the engine's from
-        now on: its tensors are views of it (no copy). A bucket that arrived on a GPU is unpacked and digested there, in one pass."""
+        now on: its tensors are views of it (no copy). A bucket that arrived on a GPU is unpacked and
+        digested there, in one pass."""
         verified = getattr(self, "verified_in_transfer", None)
         if buf.device.type == "cuda":
             return {n: t.cpu() for n, t in manifest.unpack_bucket(b, buf, verified=verified).items()}
