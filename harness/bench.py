@@ -27,7 +27,7 @@ from harness import phases
 from harness.api import Backend, spec_of
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
-from harness.manifest import DEFAULT_BUCKET_BYTES, Manifest
+from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 
 #: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
 #: about 40% under what a 2-core CI VM measures at 64 MiB against honest ceilings (2026-12-02: disk
@@ -309,10 +309,6 @@ class GlooCeiling(Ceiling):
             self.close()
             raise
 
-    @property
-    def procs(self):
-        return self.ranks.procs
-
     def once(self) -> float:
         self.ranks.go()
         t0 = time.perf_counter()
@@ -391,7 +387,8 @@ def make_ceiling(
         return DiskCeiling(nbytes, workdir, receivers, shard_bytes)
     if kind == "gloo":
         bucket_bytes = bucket_bytes or getattr(backend, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
-        return GlooCeiling(list(Manifest.build(0, weights, bucket_bytes).bucket_sizes), receivers)
+        _, sizes = bucket_plan((t.numel() * t.element_size() for t in weights.values()), bucket_bytes)
+        return GlooCeiling(sizes, receivers)
     if kind == "memcpy":
         return MemcpyCeiling(nbytes, receivers)
     return None

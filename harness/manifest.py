@@ -117,6 +117,26 @@ def _align(n: int) -> int:
     return (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
 
 
+def bucket_plan(nbytes: Iterable[int], bucket_bytes: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(bucket, offset) of each tensor of these byte sizes, in order, and the buckets' sizes: packed into
+    buckets of at most `bucket_bytes` at aligned offsets, a tensor larger than that in a bucket of its own.
+    The plan alone, without digests (Manifest.build digests and then places by it)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    placements: list[tuple[int, int]] = []
+    sizes: list[int] = []
+    used = None  # bytes used in the open bucket; None: no bucket open
+    for n in nbytes:
+        if used is None or (used > 0 and _align(used) + n > bucket_bytes):
+            sizes.append(0)
+            used = 0
+        offset = _align(used)
+        used = offset + n
+        sizes[-1] = used
+        placements.append((len(sizes) - 1, offset))
+    return placements, sizes
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
     name: str
@@ -157,9 +177,6 @@ class Manifest:
         into buckets of at most `bucket_bytes` (a tensor larger than that gets a bucket of its own)."""
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        entries: list[TensorEntry] = []
-        sizes: list[int] = []
-        used = None  # bytes used in the open bucket; None: no bucket open
         items = list(named_tensors.items())
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
@@ -168,26 +185,23 @@ class Manifest:
                 )
         with phases.phase("digest"):
             sums = digests([t for _, t in items], digest_algorithm)
-        for (name, tensor), tensor_digest in zip(items, sums, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            if used is None or (used > 0 and _align(used) + nbytes > bucket_bytes):
-                sizes.append(0)
-                used = 0
-            offset = _align(used)
-            used = offset + nbytes
-            sizes[-1] = used
-            entries.append(
-                TensorEntry(
-                    name=name,
-                    shape=tuple(tensor.shape),
-                    dtype=dtype_name(tensor.dtype),
-                    nbytes=nbytes,
-                    digest=tensor_digest,
-                    bucket=len(sizes) - 1,
-                    offset=offset,
-                )
+        nbytes = [t.numel() * t.element_size() for _, t in items]
+        placements, sizes = bucket_plan(nbytes, bucket_bytes)
+        entries = tuple(
+            TensorEntry(
+                name=name,
+                shape=tuple(tensor.shape),
+                dtype=dtype_name(tensor.dtype),
+                nbytes=n,
+                digest=tensor_digest,
+                bucket=bucket,
+                offset=offset,
             )
-        return cls(version=version, entries=tuple(entries), bucket_sizes=tuple(sizes))
+            for (name, tensor), tensor_digest, n, (bucket, offset) in zip(
+                items, sums, nbytes, placements, strict=True
+            )
+        )
+        return cls(version=version, entries=entries, bucket_sizes=tuple(sizes))
 
     # ------------------------------------------------------------------ queries
     @property

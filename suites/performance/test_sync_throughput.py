@@ -133,7 +133,9 @@ def test_gloo_ceiling_broadcasts_the_messages_the_path_sends(tmp_path):
             f"ceiling messages {sizes}, the path's plan is 3 MiB, 3 MiB, 1000 B"
         )
         assert ceiling.once() > 0
-        assert all(p.is_alive() for p in ceiling.procs) and len(ceiling.procs) == 1, "receivers are processes"
+        assert all(p.is_alive() for p in ceiling.ranks.procs) and len(ceiling.ranks.procs) == 1, (
+            "receivers are processes"
+        )
     finally:
         ceiling.close()
 
