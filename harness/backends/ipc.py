@@ -12,6 +12,7 @@ class IpcBackend(Backend):
     """Built-in backend `ipc`: engines in their own processes map the trainer's shared memory."""
 
     name = "ipc"
+    receiver_path = "harness.paths.ipc:IpcReceiver"  # what each rank runs (a variant names its own)
 
     def __init__(
         self,
@@ -41,7 +42,7 @@ class IpcBackend(Backend):
     ):
         return rank_deployment(
             IpcSender(self.device, bucket_bytes or self.bucket_bytes),
-            "harness.paths.ipc:IpcReceiver",
+            self.receiver_path,
             n_receivers,
             spec,
             workdir,

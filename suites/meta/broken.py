@@ -7,7 +7,6 @@ import os
 
 import torch
 
-from harness.backends import rank_deployment
 from harness.backends.broadcast import BroadcastBackend
 from harness.backends.control import ControlBackend, ControlDeployment
 from harness.backends.delta import DeltaBackend
@@ -375,17 +374,7 @@ class OneBufferIpcReceiver(IpcReceiver):
 
 class OneBufferIpcBackend(IpcBackend):
     name = "broken-one-buffer-ipc"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        return rank_deployment(
-            IpcSender(self.device, bucket_bytes or self.bucket_bytes),
-            "suites.meta.broken:OneBufferIpcReceiver",
-            n_receivers,
-            spec,
-            workdir,
-            engine,
-            self.timeout_s,
-        )
+    receiver_path = "suites.meta.broken:OneBufferIpcReceiver"
 
 
 def make_one_buffer_ipc_backend():
