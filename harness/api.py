@@ -506,6 +506,10 @@ class Sender(abc.ABC):
         """The engines may hold different versions (a restarted rank, a partial commit): assume
         nothing about them; the next prepare() sends every tensor whole."""
 
+    def settle(self) -> None:  # noqa: B027 - optional hook
+        """Return once background housekeeping (e.g. deleting retired checkpoints) is done; a check
+        that counts what a path leaves behind calls it first."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass
 

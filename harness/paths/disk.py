@@ -7,8 +7,10 @@ that sees `v<version>` therefore sees a complete checkpoint, and it still verifi
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -146,6 +148,42 @@ def read_checkpoint(directory: Path, manifest: Manifest) -> dict[str, torch.Tens
     return out
 
 
+class Janitor:
+    """Deletes retired checkpoint directories on a thread of its own, in the order given, so the trainer
+    never waits for it (unlinking a version two behind took 17 ms per 64 MiB here, a quarter of the
+    trainer's write). The thread exists only while there is something to delete."""
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[Path] = collections.deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def discard(self, directory: Path) -> None:
+        with self._lock:
+            self._pending.append(directory)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="disk-janitor", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._thread = None
+                    return
+                directory = self._pending.popleft()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def settle(self) -> None:
+        """Return once everything handed over so far is deleted."""
+        while True:
+            with self._lock:
+                thread = self._thread
+            if thread is None:
+                return
+            thread.join()
+
+
 class DiskSender(Sender):
     """Writes each version once under `root/run-<n>/`; a reset starts a new run directory."""
 
@@ -156,6 +194,7 @@ class DiskSender(Sender):
         self._written: list[Path] = []
         self._run = 0
         self._attempts = 0
+        self.janitor = Janitor()
 
     @property
     def run_dir(self) -> Path:
@@ -168,7 +207,7 @@ class DiskSender(Sender):
 
     def reset(self) -> None:
         for d in self._written:
-            shutil.rmtree(d, ignore_errors=True)
+            self.janitor.discard(d)
         self._written.clear()
         self._run += 1
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,13 +221,19 @@ class DiskSender(Sender):
             self._attempts += 1
         directory = write_checkpoint(self.run_dir, manifest, named_tensors, self._attempts, self.tap)
         self._written.append(directory)
-        # old versions go once newer ones exist; readers of the newest are never disturbed
+        # old versions go once newer ones exist (in the background); readers of the newest are never disturbed
         while len(self._written) > self.keep_versions:
-            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+            self.janitor.discard(self._written.pop(0))
         return {"path": str(directory), "manifest": manifest.to_json()}
 
     def transmit(self) -> None:
         """Nothing to do: the checkpoint was committed by prepare()."""
+
+    def settle(self) -> None:
+        self.janitor.settle()
+
+    def shutdown(self) -> None:
+        self.janitor.settle()
 
 
 class DiskReceiver(StagingReceiver):

@@ -65,6 +65,7 @@ def _tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def _usage(deployment, workdir: Path) -> dict[str, int]:
+    getattr(getattr(deployment, "sender", None), "settle", lambda: None)()  # retired versions deleted
     pids = {"trainer": os.getpid()} | {f"rank {r.rank}": r.pid for r in getattr(deployment, "ranks", [])}
     usage = {}
     for who, pid in pids.items():
