@@ -30,11 +30,12 @@ from harness.deployment import push
 from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 
 #: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
-#: about 40% under what a 2-core CI VM measures at 64 MiB against honest ceilings (2026-12-02: disk
-#: 0.73-0.79, broadcast 0.40-0.48, ipc 0.12-0.15, delta 0.17-0.21, delta-ipc 0.06; docs/performance.md). A row
-#: below its floor, or with #wrong > 0, fails; `weightsync certify --floor PATH=RATIO` /
-#: `--weightsync-floor` override one.
-CPU_FLOORS = {"disk": 0.5, "broadcast": 0.25, "delta": 0.10, "ipc": 0.08, "delta-ipc": 0.03}
+#: about 30% under the lowest a 2-core CI VM measured at 64 MiB, in the default tier's own run, on the
+#: two host types seen (2026-12-02; docs/performance.md, "Floors on CPU"): a host whose memcpy is twice
+#: as fast halves ipc's ratio to it, and a VM late in a long run pays page faults and fsync stalls the
+#: ceiling's warm repeats do not. A row below its floor, or with #wrong > 0, fails; `weightsync certify
+#: --floor PATH=RATIO` / `--weightsync-floor` set one for the hardware at hand.
+CPU_FLOORS = {"disk": 0.2, "broadcast": 0.25, "delta": 0.10, "ipc": 0.02, "delta-ipc": 0.008}
 GATED_FROM_BYTES = 64 << 20  # below, a fixed cost per sync (RPC, process wake-ups) dominates a 2-core host
 CEILING_REPEATS_PER_PUSH = 2
 DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
