@@ -4,6 +4,7 @@ prepare() never waits for an unlink, and once the janitor settles only `keep_ver
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import torch
 
@@ -18,9 +19,12 @@ def _versions(root) -> list[str]:
 def test_prepare_does_not_wait_for_the_deletion_of_retired_versions(monkeypatch, tmp_path):
     release, started = threading.Event(), threading.Event()
     real_rmtree = disk.shutil.rmtree
+    janitors: list[threading.Thread] = []  # this sender's janitor threads (not another test's)
 
     def held_rmtree(path, ignore_errors=False):
-        if threading.current_thread().name == "disk-janitor":  # the writer's own cleanup is not held
+        # only this test's versions, only on the janitor: the writer's own cleanup is not held
+        if threading.current_thread().name == "disk-janitor" and tmp_path in Path(path).parents:
+            janitors.append(threading.current_thread())
             started.set()
             assert release.wait(60), "the test never released the janitor"
         real_rmtree(path, ignore_errors=ignore_errors)
@@ -38,4 +42,4 @@ def test_prepare_does_not_wait_for_the_deletion_of_retired_versions(monkeypatch,
     sender.settle()
     kept = _versions(tmp_path)
     assert [name.split(".")[0] for name in kept] == ["v0000000004", "v0000000005"], kept
-    assert not [t for t in threading.enumerate() if t.name == "disk-janitor"], "the janitor thread lingers"
+    assert not [t for t in janitors if t.is_alive()], "the janitor thread lingers after settle()"
