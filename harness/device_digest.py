@@ -399,6 +399,15 @@ def _build_copy_kernel():
 
 
 # ------------------------------------------------------------------------------------------ a whole bucket
+# The bucket kernel's schedule: a 2-D grid of (segment, chunk) programs, each streaming CHUNK contiguous
+# words of one segment in BLOCK-word steps (full steps unmasked, one masked tail). The index terms i*K1
+# and i*K3 advance by a constant per step (an add where the definition has a multiply; the same bits).
+# Chosen on an H200 from the sweep in harness.gpu_check (digest_sweep); a segment of more than
+# CHUNK * 65535 words (the grid's second dimension) is copied per tensor instead.
+CHUNK_CONFIG = {"BLOCK": 2048, "CHUNK": 1 << 16, "num_warps": 8}
+_MAX_CHUNKS = 65535
+
+
 @functools.cache
 def _bucket_kernel():
     """Copy a whole bucket into one new buffer and digest each tensor's range of it in the same pass:
@@ -408,41 +417,81 @@ def _bucket_kernel():
     chosen = _kernel()
     if chosen is None:
         return None
-    kernel = _build_bucket_kernel()
+    kernel = _build_chunk_kernel()
     try:
-        gen = torch.Generator(device="cuda").manual_seed(5)
-        sizes = [4, 1020, (1 << 20) + 12, 8, 300_000]  # words; segments start at multiples of 4 words
-        starts, at = [], 0
-        for n in sizes:
-            starts.append(at)
-            at += (n + 3) // 4 * 4 + 4  # a gap between segments, as alignment leaves
-        src = torch.randint(-(1 << 31), 1 << 31, (at,), dtype=torch.int32, device="cuda", generator=gen)
-        dst = torch.full_like(src, -1)
-        out = torch.zeros((len(sizes), 2), dtype=torch.int64, device="cuda")
-        _run_bucket(src, dst, list(zip(starts, sizes, strict=True)), out, (kernel, chosen[1]))
-        got = [tuple(v & _M64 for v in row) for row in out.cpu().tolist()]
-        want = [reference_sums(src[s : s + n]) for s, n in zip(starts, sizes, strict=True)]
-        copied = all(torch.equal(src[s : s + n], dst[s : s + n]) for s, n in zip(starts, sizes, strict=True))
-        if got != want or not copied:
-            _status["bucket"] = "bucket kernel disagrees with the reference or copies wrong bytes"
-            return None
+        problem = _bucket_self_test(kernel, CHUNK_CONFIG)
     except Exception as exc:  # noqa: BLE001 - the tensor-table kernel is used instead, and says why
         _status["bucket"] = f"bucket kernel failed: {type(exc).__name__}: {str(exc)[:300]}"
         return None
-    _status["bucket"] = "whole-bucket copy+digest"
-    return kernel, chosen[1]
+    if problem is not None:
+        _status["bucket"] = problem
+        return None
+    _status["bucket"] = "whole-bucket copy+digest, (segment, chunk) grid"
+    return kernel
+
+
+def _bucket_self_test(kernel, config: dict, device: str = "cuda", scale: int = 1) -> str | None:
+    """None when `kernel` under `config` copies every word of each segment and gives the reference's
+    sums; else what went wrong. Segments start at multiples of 4 words, with gaps, as alignment leaves;
+    sizes straddle BLOCK and CHUNK (scale shrinks them for the CPU interpreter)."""
+    gen = torch.Generator(device=device).manual_seed(5)
+    chunk = config["CHUNK"]
+    sizes = [4, 1020, config["BLOCK"] + 12, 8, chunk + 4, (3 * chunk) // scale + 4 * 77, 300_000 // scale]
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += (n + 3) // 4 * 4 + 4
+    src = torch.randint(-(1 << 31), 1 << 31, (at,), dtype=torch.int32, device=device, generator=gen)
+    dst = torch.full_like(src, -1)
+    out = torch.zeros((len(sizes), 2), dtype=torch.int64, device=device)
+    _run_bucket(src, dst, list(zip(starts, sizes, strict=True)), out, kernel, config)
+    got = [tuple(v & _M64 for v in row) for row in out.cpu().tolist()]
+    want = [reference_sums(src[s : s + n]) for s, n in zip(starts, sizes, strict=True)]
+    if got != want:
+        return f"bucket kernel {config} disagrees with the reference ({got[:2]} != {want[:2]})"
+    if not all(torch.equal(src[s : s + n], dst[s : s + n]) for s, n in zip(starts, sizes, strict=True)):
+        return f"bucket kernel {config} copies wrong bytes"
+    return None
 
 
 def _run_bucket(
-    src: torch.Tensor, dst: torch.Tensor, segments: list[tuple[int, int]], out: torch.Tensor, kernel=None
+    src: torch.Tensor,
+    dst: torch.Tensor | None,
+    segments: list[tuple[int, int]],
+    out: torch.Tensor,
+    kernel=None,
+    config: dict | None = None,
+    hash_words: bool = True,
 ) -> None:
-    kernel, wide = kernel or _bucket_kernel()
+    """Add each segment's ws64x2 sums into out[k] and copy its words from src into dst (same offsets).
+    dst None: digest only; hash_words False: copy only (the sweep times the schedule's bare copy)."""
+    kernel = kernel or _bucket_kernel()
+    config = config or CHUNK_CONFIG
+    chunk = config["CHUNK"]
+    chunks = max(1, (max(n for _, n in segments) + chunk - 1) // chunk)
+    if chunks > _MAX_CHUNKS:
+        raise ValueError(
+            f"a segment of {max(n for _, n in segments)} words exceeds the grid ({chunk} x 65535)"
+        )
     table = torch.tensor(segments, dtype=torch.int64).to(src.device, non_blocking=True)
-    most = max(n for _, n in segments)
-    programs = max(1, min(_programs(src.device.index or 0), (most + BLOCK - 1) // BLOCK))
-    partial = torch.empty((len(segments), programs, 2), dtype=torch.int64, device=src.device)
-    kernel[(programs,)](src, dst, table, len(segments), partial, K1, K2, K3, K4, BLOCK=BLOCK, WIDE=wide)
-    out += partial.sum(dim=1)
+    partial = torch.empty((len(segments), chunks, 2), dtype=torch.int64, device=src.device)
+    kernel[(len(segments), chunks)](
+        src,
+        src if dst is None else dst,
+        table,
+        partial,
+        K1,
+        K2,
+        K3,
+        K4,
+        CHUNK=chunk,
+        BLOCK=config["BLOCK"],
+        COPY=dst is not None,
+        HASH=hash_words,
+        num_warps=config["num_warps"],
+    )
+    if hash_words:
+        out += partial.sum(dim=1)  # int64 sums wrap mod 2^64: the same as adding in the kernel
 
 
 def copy_and_digest_bucket(
@@ -450,13 +499,14 @@ def copy_and_digest_bucket(
 ) -> tuple[torch.Tensor, list[str]] | None:
     """One copy of a GPU bucket (flat uint8) and the ws64x2 digest of each (byte offset, byte length) range
     of it, in one pass; None where that cannot be done exactly (no kernel, a range not a whole number of
-    words or not 16-byte aligned): the caller copies per tensor then."""
+    words, not 16-byte aligned or too long for the grid): the caller copies per tensor then."""
     if (
         buf.device.type != "cuda"
         or buf.numel() % 4
         or buf.data_ptr() % 16
         or not ranges
         or any(off % 16 or n % 4 for off, n in ranges)
+        or max(n for _, n in ranges) // 4 > CHUNK_CONFIG["CHUNK"] * _MAX_CHUNKS
         or _bucket_kernel() is None
     ):
         return None
@@ -468,7 +518,81 @@ def copy_and_digest_bucket(
     return dst.view(torch.uint8), sums
 
 
-def _build_bucket_kernel():
+def _build_chunk_kernel():
+    if triton is None:
+        return None
+
+    @triton.jit
+    def ws64x2_chunk_kernel(
+        src_ptr,
+        dst_ptr,
+        seg_ptr,
+        partial_ptr,
+        k1,
+        k2,
+        k3,
+        k4,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+        COPY: tl.constexpr,
+        HASH: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        c = tl.program_id(1)
+        start = tl.multiple_of(tl.load(seg_ptr + 2 * t), 4)  # whole 16-byte units: wide accesses
+        n_words = tl.load(seg_ptr + 2 * t + 1)
+        first = c.to(tl.int64) * CHUNK
+        here = tl.minimum(tl.maximum(n_words - first, 0), CHUNK)  # this program's words
+        full = (here // BLOCK).to(tl.int32)
+        src = src_ptr + (start + first)
+        dst = dst_ptr + (start + first)
+        lanes = tl.arange(0, BLOCK)
+        u1, u2, u3, u4 = k1.to(tl.uint32), k2.to(tl.uint32), k3.to(tl.uint32), k4.to(tl.uint32)
+        i = first.to(tl.uint32) + lanes.to(tl.uint32)  # word index in the segment, mod 2^32
+        ix = i * u1
+        iy = i * u3
+        step_x = tl.full([], BLOCK, tl.uint32) * u1
+        step_y = tl.full([], BLOCK, tl.uint32) * u3
+        acc_x = tl.zeros([BLOCK], dtype=tl.uint64)
+        acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
+        for it in range(0, full):  # whole steps: no masks
+            offs = it * BLOCK + lanes
+            raw = tl.load(src + offs)
+            if COPY:
+                tl.store(dst + offs, raw)
+            if HASH:
+                w = raw.to(tl.uint32, bitcast=True)
+                x = (w ^ ix) * u2
+                y = (w ^ iy) * u4
+                acc_x += (x ^ (x >> 16)).to(tl.uint64)
+                acc_y += (y ^ (y >> 13)).to(tl.uint64)
+                ix += step_x
+                iy += step_y
+        rest = here - full * BLOCK
+        if rest > 0:  # the segment's last, partial step
+            offs = full * BLOCK + lanes
+            mask = lanes < rest
+            raw = tl.load(src + offs, mask=mask, other=0)
+            if COPY:
+                tl.store(dst + offs, raw, mask=mask)
+            if HASH:
+                w = raw.to(tl.uint32, bitcast=True)
+                x = (w ^ ix) * u2
+                y = (w ^ iy) * u4
+                x = x ^ (x >> 16)
+                y = y ^ (y >> 13)
+                acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
+                acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
+        if HASH:
+            _store_partials(partial_ptr, t, tl.num_programs(1), c, acc_x, acc_y)
+
+    return ws64x2_chunk_kernel
+
+
+def _build_strided_bucket_kernel():
+    """The bucket kernel before the (segment, chunk) grid (runs 5-6): every program walks every segment,
+    grid-strided. Kept only so the sweep times the two in one run."""
+
     @triton.jit
     def ws64x2_bucket_kernel(
         src_ptr,
@@ -504,3 +628,12 @@ def _build_bucket_kernel():
             _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y)
 
     return ws64x2_bucket_kernel
+
+
+def _run_strided_bucket(src, dst, segments, out, kernel) -> None:
+    table = torch.tensor(segments, dtype=torch.int64).to(src.device, non_blocking=True)
+    most = max(n for _, n in segments)
+    programs = max(1, min(_programs(src.device.index or 0), (most + BLOCK - 1) // BLOCK))
+    partial = torch.empty((len(segments), programs, 2), dtype=torch.int64, device=src.device)
+    kernel[(programs,)](src, dst, table, len(segments), partial, K1, K2, K3, K4, BLOCK=BLOCK, WIDE=False)
+    out += partial.sum(dim=1)

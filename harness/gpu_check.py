@@ -206,6 +206,110 @@ def digests_on_device() -> dict:
     return out
 
 
+SWEEP_CONFIGS = [
+    {"BLOCK": block, "CHUNK": chunk, "num_warps": warps}
+    for block in (1024, 2048, 4096)
+    for warps in (4, 8)
+    for chunk in (1 << 15, 1 << 17)
+]
+
+
+def digest_sweep(
+    sizes=(64 << 20, 256 << 20, 1 << 30), configs=None, device: str = "cuda", one_words: int = 1 << 30
+) -> dict:
+    """The bucket kernel's schedule against a plain copy: every (BLOCK, num_warps, CHUNK) of SWEEP_CONFIGS
+    checked against the reference, then timed copying and digesting a received bucket of 16 MiB tensors;
+    the two fastest also copy-only and digest-only (is the mix or the schedule the limit?), and the kernel
+    before the (segment, chunk) grid beside them. Device events, median of REPEATS."""
+    from harness import device_digest as dd
+
+    kernel = dd._build_chunk_kernel()
+    strided = dd._build_strided_bucket_kernel()
+    configs = configs or SWEEP_CONFIGS
+    checks = {json.dumps(c): dd._bucket_self_test(kernel, c, device=device) for c in configs}
+    good = [c for c in configs if checks[json.dumps(c)] is None]
+    rows = []
+    for size in sizes:
+        model = _model_like(size, device, seed=9, n=max(4, size >> 24))
+        manifest = Manifest.build(1, model, bucket_bytes=size + (1 << 20))
+        bucket = manifest.pack_bucket(0, model, device=device)
+        words = bucket.view(torch.int32)
+        segments = [(e.offset // 4, e.nbytes // 4) for e in manifest.entries]
+        dst = torch.empty_like(words)
+        acc = torch.zeros((len(segments), 2), dtype=torch.int64, device=device)
+        t_clone = _event_time(lambda: bucket.clone())
+        row = {
+            "size": size,
+            "tensors": len(segments),
+            "clone_ms": t_clone * 1e3,
+            "strided_kernel_ms": _event_time(
+                lambda: dd._run_strided_bucket(words, dst, segments, acc, strided)
+            )
+            * 1e3,
+            "copy_and_digest_ms": {},
+        }
+        want = [dd.reference_sums(words[s : s + n]) for s, n in segments]
+        row["wrong"] = {}
+        for c in good:
+            row["copy_and_digest_ms"][json.dumps(c)] = (
+                _event_time(lambda c=c: dd._run_bucket(words, dst, segments, acc, kernel, c)) * 1e3
+            )
+            acc.zero_(), dst.fill_(-1)  # then once more, checked: every sum and every copied word
+            dd._run_bucket(words, dst, segments, acc, kernel, c)
+            sums = [tuple(v & dd._M64 for v in r) for r in acc.cpu().tolist()]
+            row["wrong"][json.dumps(c)] = sum(
+                got != w or not torch.equal(words[s : s + n], dst[s : s + n])
+                for got, w, (s, n) in zip(sums, want, segments, strict=True)
+            )
+        rows.append(row)
+        del model, bucket, words, dst
+    largest = rows[-1]["copy_and_digest_ms"]
+    best = sorted(largest, key=largest.get)[:2]
+    for row in rows:
+        size = row["size"]
+        model = _model_like(size, device, seed=9, n=max(4, size >> 24))
+        manifest = Manifest.build(1, model, bucket_bytes=size + (1 << 20))
+        words = manifest.pack_bucket(0, model, device=device).view(torch.int32)
+        segments = [(e.offset // 4, e.nbytes // 4) for e in manifest.entries]
+        dst = torch.empty_like(words)
+        acc = torch.zeros((len(segments), 2), dtype=torch.int64, device=device)
+        row["copy_only_ms"], row["digest_only_ms"] = {}, {}
+        for key in best:
+            c = json.loads(key)
+            row["copy_only_ms"][key] = (
+                _event_time(
+                    lambda c=c: dd._run_bucket(words, dst, segments, acc, kernel, c, hash_words=False)
+                )
+                * 1e3
+            )
+            row["digest_only_ms"][key] = (
+                _event_time(lambda c=c: dd._run_bucket(words, None, segments, acc, kernel, c)) * 1e3
+            )
+        fastest = row["copy_and_digest_ms"][best[0]]
+        row["best"] = best[0]
+        row["best_over_clone"] = fastest / row["clone_ms"]
+        row["strided_over_clone"] = row["strided_kernel_ms"] / row["clone_ms"]
+        del model, words, dst
+    # one large tensor (4 GiB on the GPU), digest only: the manifests' grid-stride kernel against the
+    # chunk grid's best
+    one = torch.randint(-(1 << 31), 1 << 31, (one_words,), dtype=torch.int32, device=device)
+    acc1 = torch.zeros(2, dtype=torch.int64, device=device)
+    acc2 = torch.zeros((1, 2), dtype=torch.int64, device=device)
+    big = {
+        "size": 4 * one_words,
+        "grid_stride_ms": _event_time(lambda: dd.launch(one, acc1)) * 1e3,
+        "chunk_grid_ms": {
+            key: _event_time(
+                lambda key=key: dd._run_bucket(one, None, [(0, one.numel())], acc2, kernel, json.loads(key))
+            )
+            * 1e3
+            for key in best
+        },
+    }
+    del one
+    return {"self_tests": checks, "best": best[0], "rows": rows, "one_tensor_digest": big}
+
+
 def _bcast_worker(rank: int, port: int, queue) -> None:
     from harness.paths.broadcast import broadcast_buckets, make_group
 
@@ -324,8 +428,12 @@ def nccl_broadcast() -> list[dict]:
     return rows
 
 
-def _ipc_worker(handle_info: dict, device: str, queue) -> None:
+def _ipc_worker(handle_info: dict, device: str, queue, chunk_config: dict | None = None) -> None:
+    from harness import device_digest as dd
     from harness.paths.ipc import IpcReceiver
+
+    if chunk_config:  # the sweep's fastest schedule, where this run measured one
+        dd.CHUNK_CONFIG = chunk_config
 
     try:
         manifest = Manifest.from_json(handle_info["manifest"])
@@ -365,18 +473,18 @@ def _ipc_worker(handle_info: dict, device: str, queue) -> None:
         queue.put({"device": device, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def cuda_ipc() -> list[dict]:
+def cuda_ipc(chunk_config: dict | None = None) -> list[dict]:
     from harness.paths.ipc import IpcSender
 
     ctx = mp.get_context("spawn")
     rows = []
-    for size in SIZES[:2]:
+    for size in SIZES:
         sender = IpcSender("cuda:0", bucket_bytes=1 << 40)
         weights = _payload(size, "cuda:0", seed=3)
         info = sender.prepare(1, weights)
         for device in ("cuda:0", "cuda:1")[: torch.cuda.device_count()]:  # same GPU, peer GPU
             queue = ctx.Queue()
-            p = ctx.Process(target=_ipc_worker, args=(info, device, queue))
+            p = ctx.Process(target=_ipc_worker, args=(info, device, queue, chunk_config))
             p.start()
             res = queue.get(timeout=300)
             p.join(60)
@@ -516,6 +624,13 @@ def conformance(out: Path, timeout_s: float) -> list[dict]:
     return rows
 
 
+def _swept(results: dict) -> dict | None:
+    best = (
+        results.get("digest_sweep", {}).get("best") if isinstance(results.get("digest_sweep"), dict) else None
+    )
+    return json.loads(best) if best else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -545,7 +660,8 @@ def main() -> int:
         ("copy_ceiling", copy_ceiling),
         ("digests", digests_on_device),
         ("nccl_broadcast", nccl_broadcast),
-        ("cuda_ipc", cuda_ipc),
+        ("digest_sweep", digest_sweep),
+        ("cuda_ipc", lambda: cuda_ipc(_swept(results))),
         ("delta_gpu", delta_on_gpu),
     ):
         if args.only is not None and name not in args.only:
