@@ -224,14 +224,18 @@ def launch(words: torch.Tensor, out: torch.Tensor, wide: bool | None = None) -> 
 
 def device_digests(raws: list[torch.Tensor]) -> list[str]:
     """ws64x2 of each flat uint8 tensor (all on one device), then one transfer of the results to the
-    host. On a GPU, one launch covers every tensor (the many-tensor kernel) where it passed its check,
-    else one launch per tensor."""
+    host. On a GPU, one launch covers every tensor: the bucket kernel's (segment, chunk) grid where every
+    tensor starts on a 16-byte boundary, else the many-tensor kernel (an address table), where they
+    passed their checks; else one launch per tensor."""
     if not raws:
         return []
     device = raws[0].device
     words = [_words(raw) for raw in raws]  # kept alive until the results are read
     out = torch.zeros((len(raws), 2), dtype=torch.int64, device=device)
-    if device.type == "cuda" and _many_kernel() is not None:
+    plan = _as_segments(words) if device.type == "cuda" and _bucket_kernel() is not None else None
+    if plan is not None:
+        _run_bucket(plan[0], None, plan[1], out)
+    elif device.type == "cuda" and _many_kernel() is not None:
         _run_many(words, out)
     else:
         for k, w in enumerate(words):
@@ -239,6 +243,19 @@ def device_digests(raws: list[torch.Tensor]) -> list[str]:
     return [
         _format(int(a), int(b), raw.numel()) for (a, b), raw in zip(out.cpu().tolist(), raws, strict=True)
     ]
+
+
+def _as_segments(words: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]] | None:
+    """Separate tensors as segments of one address range: the lowest one's first word as the base, each
+    tensor's offset in words from it (the GPU's addresses are flat). None where a tensor does not start
+    on a 16-byte boundary (the kernel's wide accesses assume it) or one is too long for the grid."""
+    base = min(words, key=lambda w: w.data_ptr())
+    at = base.data_ptr()
+    if at % 16 or any((w.data_ptr() - at) % 16 for w in words):
+        return None
+    if max(w.numel() for w in words) > CHUNK_CONFIG["CHUNK"] * _MAX_CHUNKS:
+        return None
+    return base, [((w.data_ptr() - at) // 4, w.numel()) for w in words]
 
 
 # ------------------------------------------------------------------------------------------ many tensors
@@ -404,7 +421,7 @@ def _build_copy_kernel():
 # and i*K3 advance by a constant per step (an add where the definition has a multiply; the same bits).
 # Chosen on an H200 from the sweep in harness.gpu_check (digest_sweep); a segment of more than
 # CHUNK * 65535 words (the grid's second dimension) is copied per tensor instead.
-CHUNK_CONFIG = {"BLOCK": 2048, "CHUNK": 1 << 16, "num_warps": 8}
+CHUNK_CONFIG = {"BLOCK": 1024, "CHUNK": 1 << 15, "num_warps": 4, "STREAM": False}
 _MAX_CHUNKS = 65535
 
 
@@ -463,23 +480,21 @@ def _run_bucket(
     config: dict | None = None,
     hash_words: bool = True,
 ) -> None:
-    """Add each segment's ws64x2 sums into out[k] and copy its words from src into dst (same offsets).
-    dst None: digest only; hash_words False: copy only (the sweep times the schedule's bare copy)."""
+    """Add each segment's ws64x2 sums into out[k] (int64, contiguous, on src's device) and copy its words
+    from src into dst at the same offsets. dst None: digest only; hash_words False: copy only (the sweep
+    times the schedule's bare copy). Offsets are in words from src's first word and may be negative."""
     kernel = kernel or _bucket_kernel()
     config = config or CHUNK_CONFIG
     chunk = config["CHUNK"]
-    chunks = max(1, (max(n for _, n in segments) + chunk - 1) // chunk)
+    most = max(n for _, n in segments)
+    chunks = max(1, (most + chunk - 1) // chunk)
     if chunks > _MAX_CHUNKS:
-        raise ValueError(
-            f"a segment of {max(n for _, n in segments)} words exceeds the grid ({chunk} x 65535)"
-        )
-    table = torch.tensor(segments, dtype=torch.int64).to(src.device, non_blocking=True)
-    partial = torch.empty((len(segments), chunks, 2), dtype=torch.int64, device=src.device)
+        raise ValueError(f"a segment of {most} words exceeds the grid ({chunk} x {_MAX_CHUNKS})")
     kernel[(len(segments), chunks)](
         src,
         src if dst is None else dst,
-        table,
-        partial,
+        _segment_table(tuple(segments), src.device),
+        out,
         K1,
         K2,
         K3,
@@ -488,10 +503,18 @@ def _run_bucket(
         BLOCK=config["BLOCK"],
         COPY=dst is not None,
         HASH=hash_words,
+        # STREAM: each byte is read once and written once, so keep neither in cache
+        LOAD_POLICY="evict_first" if config.get("STREAM") else "",
+        STORE_CACHE=".cs" if config.get("STREAM") else "",
         num_warps=config["num_warps"],
     )
-    if hash_words:
-        out += partial.sum(dim=1)  # int64 sums wrap mod 2^64: the same as adding in the kernel
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_table(segments: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """The (start, words) table on the device, kept per bucket plan: a sync repeats the same plan, and a
+    host-to-device copy per bucket costs more than a small bucket's kernel."""
+    return torch.tensor(segments, dtype=torch.int64).to(device)
 
 
 def copy_and_digest_bucket(
@@ -527,7 +550,7 @@ def _build_chunk_kernel():
         src_ptr,
         dst_ptr,
         seg_ptr,
-        partial_ptr,
+        out_ptr,
         k1,
         k2,
         k3,
@@ -536,6 +559,8 @@ def _build_chunk_kernel():
         BLOCK: tl.constexpr,
         COPY: tl.constexpr,
         HASH: tl.constexpr,
+        LOAD_POLICY: tl.constexpr,
+        STORE_CACHE: tl.constexpr,
     ):
         t = tl.program_id(0)
         c = tl.program_id(1)
@@ -557,9 +582,9 @@ def _build_chunk_kernel():
         acc_y = tl.zeros([BLOCK], dtype=tl.uint64)
         for it in range(0, full):  # whole steps: no masks
             offs = it * BLOCK + lanes
-            raw = tl.load(src + offs)
+            raw = tl.load(src + offs, eviction_policy=LOAD_POLICY)
             if COPY:
-                tl.store(dst + offs, raw)
+                tl.store(dst + offs, raw, cache_modifier=STORE_CACHE)
             if HASH:
                 w = raw.to(tl.uint32, bitcast=True)
                 x = (w ^ ix) * u2
@@ -583,8 +608,9 @@ def _build_chunk_kernel():
                 y = y ^ (y >> 13)
                 acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
                 acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
-        if HASH:
-            _store_partials(partial_ptr, t, tl.num_programs(1), c, acc_x, acc_y)
+        if HASH:  # sums commute mod 2^64: atomics in any order give the same bits
+            tl.atomic_add(out_ptr + 2 * t, tl.sum(acc_x, axis=0).to(tl.int64, bitcast=True))
+            tl.atomic_add(out_ptr + 2 * t + 1, tl.sum(acc_y, axis=0).to(tl.int64, bitcast=True))
 
     return ws64x2_chunk_kernel
 

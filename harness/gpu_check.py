@@ -206,11 +206,11 @@ def digests_on_device() -> dict:
     return out
 
 
-SWEEP_CONFIGS = [
-    {"BLOCK": block, "CHUNK": chunk, "num_warps": warps}
-    for block in (1024, 2048, 4096)
-    for warps in (4, 8)
-    for chunk in (1 << 15, 1 << 17)
+SWEEP_CONFIGS = [  # run 7 (2026-12-02) swept BLOCK 1024-4096 x warps 4/8 x CHUNK 2^15/2^17: small won
+    {"BLOCK": block, "CHUNK": chunk, "num_warps": warps, "STREAM": stream}
+    for block, warps in ((512, 4), (1024, 4), (1024, 8))
+    for chunk in (1 << 12, 1 << 13, 1 << 14, 1 << 15)
+    for stream in (False, True)
 ]
 
 
@@ -222,6 +222,7 @@ def digest_sweep(
     the two fastest also copy-only and digest-only (is the mix or the schedule the limit?), and the kernel
     before the (segment, chunk) grid beside them. Device events, median of REPEATS."""
     from harness import device_digest as dd
+    from harness.manifest import as_bytes
 
     kernel = dd._build_chunk_kernel()
     strided = dd._build_strided_bucket_kernel()
@@ -307,7 +308,38 @@ def digest_sweep(
         },
     }
     del one
-    return {"self_tests": checks, "best": best[0], "rows": rows, "one_tensor_digest": big}
+    # a sender's manifest: many separate tensors digested in one launch, the address-table kernel against
+    # the chunk grid over the same tensors as segments of one address range
+    dd.CHUNK_CONFIG = json.loads(best[0])
+    manifests = []
+    for size in sizes[-1:] + (4 * sizes[-1],):
+        model = _model_like(size, device, seed=7, n=max(8, size >> 24))
+        raws = [as_bytes(t) for t in model.values()]
+        words = [dd._words(r) for r in raws]
+        plan = dd._as_segments(words)
+        acc = torch.zeros((len(words), 2), dtype=torch.int64, device=device)
+        want = [dd.reference_digest(r) for r in raws]
+        manifests.append(
+            {
+                "size": size,
+                "tensors": len(words),
+                "address_table_kernel_ms": _event_time(lambda: dd._run_many(words, acc)) * 1e3,
+                "chunk_grid_ms": _event_time(lambda: dd._run_bucket(plan[0], None, plan[1], acc, kernel))
+                * 1e3
+                if plan
+                else None,
+                "device_digests_host_ms": _timed(lambda: dd.device_digests(raws)) * 1e3,
+                "wrong": sum(g != w for g, w in zip(dd.device_digests(raws), want, strict=True)),
+            }
+        )
+        del model, raws, words
+    return {
+        "self_tests": checks,
+        "best": best[0],
+        "rows": rows,
+        "one_tensor_digest": big,
+        "manifest_digests": manifests,
+    }
 
 
 def _bcast_worker(rank: int, port: int, queue) -> None:

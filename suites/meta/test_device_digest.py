@@ -128,6 +128,25 @@ def test_one_launch_for_many_tensors_gives_each_tensors_digest():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+def test_tensors_on_and_off_16_byte_boundaries_give_the_references_bits():
+    """Aligned tensors go through the (segment, chunk) grid as one address range; a view that starts
+    off a 16-byte boundary sends the whole list to the address-table kernel. Same bits either way."""
+    gen = torch.Generator().manual_seed(7)
+    host = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=gen)
+    gpu = host.cuda()
+    aligned = [
+        gpu[: 1 << 20],
+        gpu[1 << 20 : (2 << 20) + 12],
+        torch.randint(0, 256, (99_999,)).to(torch.uint8).cuda(),
+    ]
+    assert dd._as_segments([dd._words(r) for r in aligned]) is not None
+    offset = [gpu[4 : (1 << 20) + 4], *aligned]
+    assert dd._as_segments([dd._words(r) for r in offset]) is None
+    for raws in (aligned, offset):
+        assert dd.device_digests(raws) == [dd.reference_digest(r.cpu()) for r in raws]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
 def test_copy_and_digest_copies_every_byte_and_gives_the_references_bits():
     assert dd.copy_kernel_available(), dd._status
     gen = torch.Generator().manual_seed(3)
