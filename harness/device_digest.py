@@ -427,10 +427,11 @@ _MAX_CHUNKS = 65535
 
 @functools.cache
 def _bucket_kernel():
-    """Copy a whole bucket into one new buffer and digest each tensor's range of it in the same pass:
-    two base pointers the compiler knows are aligned, and offsets it is told are whole 16-byte units, so
-    the loads and stores are wide (a table of per-tensor addresses hides the alignment: run 4 measured
-    such a kernel at 0.57 of this one's speed). Checked like the others."""
+    """The (segment, chunk) grid kernel: copy a whole bucket into one new buffer and digest each tensor's
+    range of it in the same pass, or digest only. Two base pointers the compiler knows are aligned and
+    offsets it is told are whole 16-byte units, so the loads and stores are wide (a table of per-tensor
+    addresses hides the alignment: run 4 measured such a kernel at 0.57 of the speed). Checked like the
+    others, under CHUNK_CONFIG."""
     chosen = _kernel()
     if chosen is None:
         return None

@@ -222,12 +222,16 @@ def digest_sweep(
     the two fastest also copy-only and digest-only (is the mix or the schedule the limit?), and the kernel
     before the (segment, chunk) grid beside them. Device events, median of REPEATS."""
     from harness import device_digest as dd
-    from harness.manifest import as_bytes
 
     kernel = dd._build_chunk_kernel()
     strided = dd._build_strided_bucket_kernel()
     configs = configs or SWEEP_CONFIGS
-    checks = {json.dumps(c): dd._bucket_self_test(kernel, c, device=device) for c in configs}
+    checks = {}
+    for c in configs:
+        try:
+            checks[json.dumps(c)] = dd._bucket_self_test(kernel, c, device=device)
+        except Exception as exc:  # noqa: BLE001 - a schedule that cannot run is left out, and says why
+            checks[json.dumps(c)] = f"{type(exc).__name__}: {exc}"
     good = [c for c in configs if checks[json.dumps(c)] is None]
     rows = []
     for size in sizes:
@@ -291,29 +295,44 @@ def digest_sweep(
         row["best_over_clone"] = fastest / row["clone_ms"]
         row["strided_over_clone"] = row["strided_kernel_ms"] / row["clone_ms"]
         del model, words, dst
-    # one large tensor (4 GiB on the GPU), digest only: the manifests' grid-stride kernel against the
-    # chunk grid's best
-    one = torch.randint(-(1 << 31), 1 << 31, (one_words,), dtype=torch.int32, device=device)
+    result = {"self_tests": checks, "best": best[0], "rows": rows}
+    try:  # what follows must not lose the rows above (run 8 lost them to one oversized grid)
+        result["one_tensor_digest"] = _one_tensor_digests(dd, kernel, best, device, one_words)
+        result["manifest_digests"] = _manifest_digests(dd, kernel, best[0], device, sizes[-1])
+    except Exception as exc:  # noqa: BLE001 - reported in the results
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _one_tensor_digests(dd, kernel, keys: list[str], device: str, words: int) -> dict:
+    """One large tensor (4 GiB on the GPU), digest only: the grid-stride kernel against the chunk grid
+    (the schedules whose grid covers it)."""
+    one = torch.randint(-(1 << 31), 1 << 31, (words,), dtype=torch.int32, device=device)
     acc1 = torch.zeros(2, dtype=torch.int64, device=device)
     acc2 = torch.zeros((1, 2), dtype=torch.int64, device=device)
-    big = {
-        "size": 4 * one_words,
+    fits = [k for k in keys if json.loads(k)["CHUNK"] * dd._MAX_CHUNKS >= words]
+    return {
+        "size": 4 * words,
         "grid_stride_ms": _event_time(lambda: dd.launch(one, acc1)) * 1e3,
         "chunk_grid_ms": {
             key: _event_time(
-                lambda key=key: dd._run_bucket(one, None, [(0, one.numel())], acc2, kernel, json.loads(key))
+                lambda key=key: dd._run_bucket(one, None, [(0, words)], acc2, kernel, json.loads(key))
             )
             * 1e3
-            for key in best
+            for key in fits
         },
     }
-    del one
-    # a sender's manifest: many separate tensors digested in one launch, the address-table kernel against
-    # the chunk grid over the same tensors as segments of one address range
-    dd.CHUNK_CONFIG = json.loads(best[0])
+
+
+def _manifest_digests(dd, kernel, key: str, device: str, size: int) -> list[dict]:
+    """A sender's manifest: many separate tensors digested in one launch, the address-table kernel
+    against the chunk grid over the same tensors as segments of one address range."""
+    from harness.manifest import as_bytes
+
+    dd.CHUNK_CONFIG = json.loads(key)
     manifests = []
-    for size in sizes[-1:] + (4 * sizes[-1],):
-        model = _model_like(size, device, seed=7, n=max(8, size >> 24))
+    for nbytes in (size, 4 * size):
+        model = _model_like(nbytes, device, seed=7, n=max(8, nbytes >> 24))
         raws = [as_bytes(t) for t in model.values()]
         words = [dd._words(r) for r in raws]
         plan = dd._as_segments(words)
@@ -321,7 +340,7 @@ def digest_sweep(
         want = [dd.reference_digest(r) for r in raws]
         manifests.append(
             {
-                "size": size,
+                "size": nbytes,
                 "tensors": len(words),
                 "address_table_kernel_ms": _event_time(lambda: dd._run_many(words, acc)) * 1e3,
                 "chunk_grid_ms": _event_time(lambda: dd._run_bucket(plan[0], None, plan[1], acc, kernel))
@@ -333,13 +352,7 @@ def digest_sweep(
             }
         )
         del model, raws, words
-    return {
-        "self_tests": checks,
-        "best": best[0],
-        "rows": rows,
-        "one_tensor_digest": big,
-        "manifest_digests": manifests,
-    }
+    return manifests
 
 
 def _bcast_worker(rank: int, port: int, queue) -> None:
