@@ -106,6 +106,14 @@ if triton is not None:
         )
 
     @triton.jit
+    def _mixed(raw, ix, iy, u2, u4):
+        """The two ws64x2 terms of each word with its index terms i*K1, i*K3 given (uint32)."""
+        w = raw.to(tl.uint32, bitcast=True)
+        x = (w ^ ix) * u2
+        y = (w ^ iy) * u4
+        return x ^ (x >> 16), y ^ (y >> 13)
+
+    @triton.jit
     def _store_partials(partial_ptr, t, nprog, pid, acc_x, acc_y):
         """This program's two sums for tensor `t` into partial[t, pid, :]."""
         base = partial_ptr + (t * nprog + pid) * 2
@@ -587,11 +595,9 @@ def _build_chunk_kernel():
             if COPY:
                 tl.store(dst + offs, raw, cache_modifier=STORE_CACHE)
             if HASH:
-                w = raw.to(tl.uint32, bitcast=True)
-                x = (w ^ ix) * u2
-                y = (w ^ iy) * u4
-                acc_x += (x ^ (x >> 16)).to(tl.uint64)
-                acc_y += (y ^ (y >> 13)).to(tl.uint64)
+                x, y = _mixed(raw, ix, iy, u2, u4)
+                acc_x += x.to(tl.uint64)
+                acc_y += y.to(tl.uint64)
                 ix += step_x
                 iy += step_y
         rest = here - full * BLOCK
@@ -602,11 +608,7 @@ def _build_chunk_kernel():
             if COPY:
                 tl.store(dst + offs, raw, mask=mask)
             if HASH:
-                w = raw.to(tl.uint32, bitcast=True)
-                x = (w ^ ix) * u2
-                y = (w ^ iy) * u4
-                x = x ^ (x >> 16)
-                y = y ^ (y >> 13)
+                x, y = _mixed(raw, ix, iy, u2, u4)
                 acc_x += tl.where(mask, x, tl.zeros_like(x)).to(tl.uint64)
                 acc_y += tl.where(mask, y, tl.zeros_like(y)).to(tl.uint64)
         if HASH:  # sums commute mod 2^64: atomics in any order give the same bits
