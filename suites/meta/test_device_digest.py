@@ -127,6 +127,19 @@ def test_one_launch_for_many_tensors_gives_each_tensors_digest():
     assert dd.device_digests([r.cuda() for r in raws]) == [dd.reference_digest(r) for r in raws]
 
 
+def test_separate_tensors_become_segments_of_one_address_range_only_when_aligned():
+    """The one-launch plan for a sender's tensors: each segment's offset from the lowest tensor lands on
+    that tensor's first word, and a tensor off a 16-byte boundary sends the list elsewhere."""
+    raws = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (64, 4096, 100_000, 16)]
+    words = [dd._words(r) for r in raws]
+    base, segments = dd._as_segments(words)
+    assert base.data_ptr() == min(w.data_ptr() for w in words)
+    assert [base.data_ptr() + 4 * start for start, _ in segments] == [w.data_ptr() for w in words]
+    assert [n for _, n in segments] == [w.numel() for w in words]
+    host = torch.zeros(4096, dtype=torch.uint8)
+    assert dd._as_segments([dd._words(host[4:68]), *words]) is None  # 4 bytes past an aligned start
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
 def test_tensors_on_and_off_16_byte_boundaries_give_the_references_bits():
     """Aligned tensors go through the (segment, chunk) grid as one address range; a view that starts
