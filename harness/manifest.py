@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import xxhash
 
-from harness import device_digest, phases
+from harness import device_digest, host_digest, phases
 from harness.api import ManifestMismatch, TensorSpec
 
 # safetensors' dtype names: the manifest speaks the checkpoint format's language.
@@ -87,12 +87,15 @@ def digests(tensors: list[torch.Tensor], algorithm: str = "auto") -> list[str]:
         raise ValueError(f"digest algorithm {algorithm!r}: one of {DIGEST_ALGORITHMS}")
     out: list[str | None] = [None] * len(tensors)
     on_device: dict[torch.device, list[int]] = {}
+    on_host: list[int] = []
     for k, t in enumerate(tensors):
         use_device = algorithm == "ws64x2" or (algorithm == "auto" and t.device.type == "cuda")
         if use_device:
             on_device.setdefault(t.device, []).append(k)
         else:
-            out[k] = xxh3_digest(t)
+            on_host.append(k)
+    for k, d in zip(on_host, host_digest.map_hash([tensors[k] for k in on_host], xxh3_digest), strict=True):
+        out[k] = d  # over the host's cores: xxhash releases the GIL
     for ks in on_device.values():
         for k, d in zip(ks, device_digest.device_digests([as_bytes(tensors[k]) for k in ks]), strict=True):
             out[k] = d
