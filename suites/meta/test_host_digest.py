@@ -29,7 +29,10 @@ def test_groups_hold_every_index_once_and_stay_balanced(sizes, n):
 def test_many_tensors_get_their_own_digests_in_order(monkeypatch):
     monkeypatch.setattr(host_digest, "_workers", lambda: 3)
     gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (5 << 20, 3, 7 << 20, 1 << 20, 0)]
+    tensors = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        for n in (5 << 20, 3, 7 << 20, 1 << 20, 0)
+    ]
     seen: set[str] = set()
     real = xxh3_digest
 
