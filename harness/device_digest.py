@@ -261,7 +261,7 @@ def _as_segments(words: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[in
     at = base.data_ptr()
     if at % 16 or any((w.data_ptr() - at) % 16 for w in words):
         return None
-    if max(w.numel() for w in words) > CHUNK_CONFIG["CHUNK"] * _MAX_CHUNKS:
+    if not _fits_grid(max(w.numel() for w in words)):
         return None
     return base, [((w.data_ptr() - at) // 4, w.numel()) for w in words]
 
@@ -433,6 +433,11 @@ CHUNK_CONFIG = {"BLOCK": 1024, "CHUNK": 1 << 15, "num_warps": 4, "STREAM": False
 _MAX_CHUNKS = 65535
 
 
+def _fits_grid(words: int) -> bool:
+    """Whether a segment of `words` words fits the grid under CHUNK_CONFIG (else: per-tensor kernels)."""
+    return words <= CHUNK_CONFIG["CHUNK"] * _MAX_CHUNKS
+
+
 @functools.cache
 def _bucket_kernel():
     """The (segment, chunk) grid kernel: copy a whole bucket into one new buffer and digest each tensor's
@@ -538,7 +543,7 @@ def copy_and_digest_bucket(
         or buf.data_ptr() % 16
         or not ranges
         or any(off % 16 or n % 4 for off, n in ranges)
-        or max(n for _, n in ranges) // 4 > CHUNK_CONFIG["CHUNK"] * _MAX_CHUNKS
+        or not _fits_grid(max(n for _, n in ranges) // 4)
         or _bucket_kernel() is None
     ):
         return None
