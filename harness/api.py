@@ -605,6 +605,9 @@ class Deployment(abc.ABC):
 DEFAULT_ENGINE = "harness.engines.reference:make_engine"
 
 
+CEILING_KINDS = ("device-copy", "p2p-copy", "nccl", "gloo", "disk", "memcpy")
+
+
 class Backend(abc.ABC):
     """A sync path under test. A factory named by import path returns one of these."""
 
@@ -613,6 +616,11 @@ class Backend(abc.ABC):
     #: The unit the data plane moves a version in (bytes; broadcast buckets, ipc segments, disk shards),
     #: None where it has none. A tensor larger than a bucket gets one of its own.
     bucket_bytes: int | None = None
+    #: The raw transport that bounds this path, measured beside it by `weightsync bench` and `certify`:
+    #: one of CEILING_KINDS ("device-copy": a copy on the same GPU; "p2p-copy": a copy between two GPUs;
+    #: "nccl" / "gloo": a bare broadcast of the path's own bucket plan to the same ranks; "disk": file
+    #: write + fsync + read; "memcpy": a host copy). None: the harness guesses by the backend's type.
+    ceiling: str | None = None
 
     @abc.abstractmethod
     def deploy(

@@ -27,6 +27,7 @@ from harness import phases
 from harness.api import Backend, spec_of
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
+from harness.devices import run_device
 from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 
 #: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
@@ -37,12 +38,18 @@ from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 #: --floor PATH=RATIO` / `--weightsync-floor` set one for the hardware at hand.
 CPU_FLOORS = {"disk": 0.2, "broadcast": 0.25, "delta": 0.10, "ipc": 0.02, "delta-ipc": 0.008}
 GATED_FROM_BYTES = 64 << 20  # below, a fixed cost per sync (RPC, process wake-ups) dominates a 2-core host
+#: Floors of a path whose ceiling is a GPU transport (device copy, peer copy, NCCL), by the smallest size
+#: they apply from: end to end (start, prepare with digests, transfer, verify, commit, finish) against
+#: the ceiling of the same GPU measured in the same run. Delta paths are gated on the dense bytes they
+#: deliver (effective bandwidth), as on the CPU. `--floor PATH=RATIO` replaces a path's tiers with one.
+GPU_FLOOR_TIERS = ((256 << 20, 0.90), (64 << 20, 0.5))
+GPU_CEILINGS = ("device-copy", "p2p-copy", "nccl")
 CEILING_REPEATS_PER_PUSH = 2
 DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
 #: Parts of a row's critical path, in the order of its stacked bar: the trainer's prepare (digest,
 #: alloc, pack), the slowest receiver's transfer (wire, unpack, verify), its commit, and the rest
 #: (other: RPC, locks, engine reads, Python between the steps).
-BAR_PARTS = ("digest", "alloc", "pack", "wire", "unpack", "verify", "commit", "other")
+BAR_PARTS = ("digest", "alloc", "pack", "wire", "open", "unpack", "verify", "commit", "other")
 
 
 @dataclasses.dataclass
@@ -57,6 +64,8 @@ class SyncRow:
     ceiling_gbs: float
     wrong: int
     floor: float = 0.0
+    ceiling_kind: str = ""  # which raw transport the ceiling is (Backend.ceiling): device-copy, gloo, ...
+    device: str = "cpu"  # where the payload and the engines lived
     changed: float = 0.0  # delta paths: the fraction of entries each new version changes
     bucket_bytes: int | None = None  # the bucket sweep's bucket size; None: the backend's own
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # start, prepare, transfer, finish
@@ -104,6 +113,7 @@ THROUGHPUT_COLUMNS = (
     "time (ms)",
     "algbw (GB/s)",
     "ceiling (GB/s)",
+    "bound",
     "ratio",
     "floor",
     "#wrong",
@@ -124,6 +134,7 @@ def throughput_cells(row: SyncRow) -> list[str]:
         f"{row.time_s * 1e3:.2f}",
         f"{row.algbw_gbs:.3f}",
         f"{row.ceiling_gbs:.3f}",
+        row.ceiling_kind or "–",
         f"{row.ratio:.2f}",
         f"{row.floor:g}" if row.floor else "–",
         str(row.wrong),
@@ -131,11 +142,16 @@ def throughput_cells(row: SyncRow) -> list[str]:
     ]
 
 
-def payload(size_bytes: int, n_tensors: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded bf16 tensors totalling about `size_bytes`."""
+def payload(
+    size_bytes: int, n_tensors: int = 8, seed: int = 0, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Seeded bf16 tensors totalling about `size_bytes`, on `device` (the trainer's weights live there)."""
     gen = torch.Generator().manual_seed(seed)
     per = max(1, size_bytes // 2 // n_tensors)
-    return {f"bench.{i}.weight": torch.randn(per, generator=gen).to(torch.bfloat16) for i in range(n_tensors)}
+    return {
+        f"bench.{i}.weight": torch.randn(per, generator=gen).to(torch.bfloat16).to(device)
+        for i in range(n_tensors)
+    }
 
 
 # ---------------------------------------------------------------------------- ceilings
@@ -270,13 +286,26 @@ class DiskCeiling(Ceiling):
             path.unlink(missing_ok=True)
 
 
-def _gloo_ceiling_rank(conn, port: int, rank: int, world: int, sizes: list[int], timeout_s: float) -> None:
-    """A receiver of the gloo ceiling: join, then one broadcast of every bucket per "go"."""
+def _collective_group(backend: str, store, rank: int, world: int, timeout_s: float):
+    """A process group of the ceiling's own (prefixed keys), and the device its buffers live on: the
+    path's group maker and rank-to-GPU rule (harness.paths.broadcast), so NCCL's rank r sits on GPU r."""
+    from harness.paths.broadcast import device_for, make_group
+
+    device = device_for(backend, rank)
+    prefixed = dist.PrefixStore("ceiling/", store)
+    return make_group(backend, "127.0.0.1", 0, rank, world, timeout_s, store=prefixed), device
+
+
+def _collective_ceiling_rank(
+    conn, port: int, rank: int, world: int, sizes: list[int], timeout_s: float, backend: str = "gloo"
+) -> None:
+    """A receiver of the broadcast ceiling: join, then one broadcast of every bucket per "go"."""
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("ceiling/", store), rank, world, timeout)
-        bufs = [torch.ones(n, dtype=torch.uint8) for n in sizes]  # warm: the path stages in warm memory
+        group, device = _collective_group(backend, store, rank, world, timeout_s)
+        # warm: the path stages in warm memory
+        bufs = [torch.ones(n, dtype=torch.uint8, device=device) for n in sizes]
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         conn.send(f"{type(exc).__name__}: {exc}")
         return
@@ -284,28 +313,32 @@ def _gloo_ceiling_rank(conn, port: int, rank: int, world: int, sizes: list[int],
     while conn.recv() == "go":
         for b in bufs:
             group.broadcast(b, 0).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         conn.send("done")
 
 
-class GlooCeiling(Ceiling):
-    """A bare gloo broadcast of messages of `sizes` bytes from this process to `receivers` spawned
-    processes (groups kept across repeats)."""
+class CollectiveCeiling(Ceiling):
+    """A bare torch.distributed broadcast (gloo on CPUs, NCCL on GPUs) of messages of `sizes` bytes from
+    this process to `receivers` spawned processes (groups kept across repeats). NCCL places rank r on
+    GPU r, as the path does; gloo runs the same code on the host, which is how CI tests it."""
 
-    def __init__(self, sizes: list[int], receivers: int, timeout_s: float = 120.0):
+    def __init__(self, sizes: list[int], receivers: int, timeout_s: float = 120.0, backend: str = "gloo"):
         world = receivers + 1
+        self.backend = backend
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False
         )
         self.ranks = _ReceiverProcs(
-            _gloo_ceiling_rank,
-            [(self._store.port, r, world, sizes, timeout_s) for r in range(1, world)],
+            _collective_ceiling_rank,
+            [(self._store.port, r, world, sizes, timeout_s, backend) for r in range(1, world)],
             timeout_s,
         )
         try:
-            self.group = dist.ProcessGroupGloo(dist.PrefixStore("ceiling/", self._store), 0, world, timeout)
+            self.group, self.device = _collective_group(backend, self._store, 0, world, timeout_s)
             self.ranks.wait_ready()
-            self.bufs = [torch.ones(n, dtype=torch.uint8) for n in sizes]
+            self.bufs = [torch.ones(n, dtype=torch.uint8, device=self.device) for n in sizes]
         except BaseException:
             self.close()
             raise
@@ -315,6 +348,8 @@ class GlooCeiling(Ceiling):
         t0 = time.perf_counter()
         for b in self.bufs:
             self.group.broadcast(b, 0).wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.ranks.wait_done()
         return time.perf_counter() - t0
 
@@ -348,9 +383,54 @@ class MemcpyCeiling(Ceiling):
             self.pool.shutdown()
 
 
+class GlooCeiling(CollectiveCeiling):
+    """The broadcast ceiling over gloo (the CPU variant)."""
+
+    def __init__(self, sizes: list[int], receivers: int, timeout_s: float = 120.0):
+        super().__init__(sizes, receivers, timeout_s, backend="gloo")
+
+
+class DeviceCopyCeiling(Ceiling):
+    """Copies of the payload's bytes on GPUs: from the trainer's device to each receiver's (the same GPU:
+    a device-to-device copy, what same-GPU CUDA IPC bounds on; another GPU: a peer copy). The copies of
+    several receivers run one after another on the source GPU's stream, as the receivers share it. Timed
+    on the host around a synchronize, as the path's lifecycle is."""
+
+    def __init__(self, size_bytes: int, receivers: int = 1, device: str = "cuda:0", peers: bool = False):
+        src = torch.device(device)
+        n = torch.cuda.device_count()
+        if peers and n < 1 + receivers:
+            raise ValueError(
+                f"a peer-copy ceiling for {receivers} receiver(s) needs {1 + receivers} GPUs, have {n}"
+            )
+        targets = [torch.device("cuda", (src.index + 1 + k) % n) if peers else src for k in range(receivers)]
+        self.src = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8, device=src)
+        self.dst = [torch.empty(size_bytes, dtype=torch.uint8, device=t) for t in targets]
+        self.once()
+
+    def once(self) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for d in self.dst:
+            d.copy_(self.src, non_blocking=True)
+        for d in {d.device for d in self.dst}:
+            torch.cuda.synchronize(d)
+        return time.perf_counter() - t0
+
+
 def ceiling_kind(backend: Backend) -> str | None:
-    """Which raw transport bounds a backend: by what it is built on, so a variant of a built-in path (a
-    vendor's broadcast, a broken one in suites/meta) is measured against the same ceiling."""
+    """Which raw transport bounds a backend: what it declares (Backend.ceiling), else by what it is built
+    on, so a variant of a built-in path (a vendor's broadcast, a broken one in suites/meta) is measured
+    against the same ceiling."""
+    from harness.api import CEILING_KINDS
+
+    declared = getattr(backend, "ceiling", None)
+    if declared is not None:
+        if declared not in CEILING_KINDS:
+            raise ValueError(
+                f"backend {backend.name!r} declares ceiling {declared!r}; expected one of {CEILING_KINDS}"
+            )
+        return declared
     from harness.backends.broadcast import BroadcastBackend
     from harness.backends.delta import DeltaBackend
     from harness.backends.disk import DiskBackend
@@ -386,10 +466,13 @@ def make_ceiling(
     if kind == "disk":
         shard_bytes = bucket_bytes or getattr(backend, "shard_bytes", 1 << 40)
         return DiskCeiling(nbytes, workdir, receivers, shard_bytes)
-    if kind == "gloo":
+    if kind in ("gloo", "nccl"):
         bucket_bytes = bucket_bytes or getattr(backend, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
         _, sizes = bucket_plan((t.numel() * t.element_size() for t in weights.values()), bucket_bytes)
-        return GlooCeiling(sizes, receivers)
+        return CollectiveCeiling(sizes, receivers, backend=kind)
+    if kind in ("device-copy", "p2p-copy"):
+        device = next((str(t.device) for t in weights.values() if t.device.type == "cuda"), "cuda:0")
+        return DeviceCopyCeiling(nbytes, receivers, device, peers=kind == "p2p-copy")
     if kind == "memcpy":
         return MemcpyCeiling(nbytes, receivers)
     return None
@@ -415,7 +498,7 @@ def _critical_parts(
     while the bytes moved, its commit, and the rest as other (see BAR_PARTS)."""
     slowest = max(receivers, key=lambda r: sum(r.values()), default={})
     parts = {p: sender.get(p, 0.0) for p in ("digest", "alloc", "pack")}
-    parts.update({p: slowest.get(p, 0.0) for p in ("wire", "unpack", "verify", "commit")})
+    parts.update({p: slowest.get(p, 0.0) for p in ("wire", "open", "unpack", "verify", "commit")})
     parts["wire"] += sender.get("wire", 0.0)  # a path whose trainer writes during prepare (disk)
     parts["other"] = max(0.0, sum(steps.values()) - sum(parts.values()))
     return parts
@@ -453,7 +536,12 @@ class SyncBench:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.backend, self.receivers, self.floor, self.engine = backend, receivers, floor, engine
         self.bucket_bytes = bucket_bytes
-        self.weights = payload(size, n_tensors)
+        self.kind = ceiling_kind(backend)
+        # a GPU path's trainer holds its weights on the GPU, where the run's engines live too
+        self.device = run_device() if self.kind in GPU_CEILINGS else "cpu"
+        if self.kind in GPU_CEILINGS and self.device == "cpu":
+            self.device = str(getattr(backend, "device", None) or "cuda:0")
+        self.weights = payload(size, n_tensors, device=self.device)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.changed = (
             (DEFAULT_CHANGED if fraction is None else fraction) if backend.capabilities.delta else 0.0
@@ -550,6 +638,8 @@ class SyncBench:
             ceiling,
             wrong,
             floor=self.floor,
+            ceiling_kind=self.kind or "",
+            device=self.device,
             changed=self.changed,
             bucket_bytes=self.bucket_bytes,
             steps=laps,
@@ -565,9 +655,23 @@ def gate_failures(rows: list[SyncRow]) -> list[str]:
     return [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
 
 
-def parse_floors(specs: list[str], defaults: dict[str, float]) -> dict[str, float]:
+class Floors(dict):
+    """Floors by path: the defaults with what the user set (`explicit`: the paths named on the command
+    line). A GPU row takes the GPU tiers unless its path was named, never the CPU default."""
+
+    explicit: frozenset[str] = frozenset()
+
+
+def _explicit(floors: dict[str, float] | None) -> frozenset[str]:
+    if floors is None or floors is CPU_FLOORS:
+        return frozenset()
+    return floors.explicit if isinstance(floors, Floors) else frozenset(floors)
+
+
+def parse_floors(specs: list[str], defaults: dict[str, float]) -> Floors:
     """`["ipc=0.7", ...]` over the defaults; a malformed one is a usage error naming it."""
-    floors = dict(defaults)
+    floors = Floors(defaults)
+    floors.explicit = frozenset(spec.partition("=")[0].strip() for spec in specs)
     for spec in specs:
         path, sep, value = spec.partition("=")
         try:
@@ -580,11 +684,18 @@ def parse_floors(specs: list[str], defaults: dict[str, float]) -> dict[str, floa
     return floors
 
 
-def floor_for(path: str, size_bytes: int, floors: dict[str, float] | None = None) -> float:
+def floor_for(
+    path: str, size_bytes: int, floors: dict[str, float] | None = None, ceiling: str | None = None
+) -> float:
     """The gate of a row: the path's floor at GATED_FROM_BYTES and above; smaller rows are reported only
-    (a fixed cost per sync dominates them)."""
+    (a fixed cost per sync dominates them). Against a GPU ceiling (GPU_CEILINGS) the floor is the tier of
+    GPU_FLOOR_TIERS the size reaches, unless `floors` names the path (`--floor PATH=RATIO`)."""
+    if size_bytes < GATED_FROM_BYTES:
+        return 0.0
+    if ceiling in GPU_CEILINGS and path not in _explicit(floors):
+        return next((floor for at, floor in GPU_FLOOR_TIERS if size_bytes >= at), 0.0)
     floors = CPU_FLOORS if floors is None else floors
-    return floors.get(path, 0.0) if size_bytes >= GATED_FROM_BYTES else 0.0
+    return floors.get(path, 0.0)
 
 
 def measure_sync(
@@ -610,7 +721,7 @@ def measure_sync(
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         for size in sizes:
             # gated in the RL regime at the backend's own unit; the rest of a sweep is measured, not gated
-            floor = 0.0 if swept else floor_for(backend.name, size, floors)
+            floor = 0.0 if swept else floor_for(backend.name, size, floors, ceiling_kind(backend))
             with SyncBench(
                 backend,
                 size,

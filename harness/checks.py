@@ -42,10 +42,9 @@ def bitwise_mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, t
                 f"{name}: expected {tuple(e.shape)} {dtype_name(e.dtype)}, got {tuple(g.shape)} {dtype_name(g.dtype)}"
             )
             continue
-        if not torch.equal(as_bytes(e), as_bytes(g.cpu())):
-            problems.append(
-                f"{name} ({dtype_name(e.dtype)} {tuple(e.shape)}): {first_difference(e, g.cpu())}"
-            )
+        e, g = e.cpu(), g.cpu()  # either side may live on a GPU
+        if not torch.equal(as_bytes(e), as_bytes(g)):
+            problems.append(f"{name} ({dtype_name(e.dtype)} {tuple(e.shape)}): {first_difference(e, g)}")
     return problems
 
 

@@ -31,8 +31,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from harness.api import WeightSyncError
+from harness.devices import check_available, run_device, set_run_device
 from harness.registry import (
     BUILTIN_BACKENDS,
+    BUILTIN_GPU_BACKENDS,
     EXTRA_BACKENDS,
     engine_capabilities,
     engine_path,
@@ -73,6 +75,8 @@ def run_conformance(
         f"--weightsync-hypothesis-profile={profile}",
         f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
     ]
+    if run_device() != "cpu":  # the rerun commands name it too
+        cmd.append(f"--weightsync-device={run_device()}")
     if suite == "faults":
         cmd += ["-m", "not docker and not slow"]  # the Docker tier and the soak run on their own
     if (
@@ -103,12 +107,29 @@ def run_conformance(
         data["error"] = (
             f"pytest stopped (exit {proc.returncode}) during {data.get('running') or 'teardown'}; see {log}"
         )
+        fail_the_stopped_test(data, proc.returncode, log)
     statuses = [r.get("status") for r in data["tests"].values()]
     console.print(
         f"{suite} {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
         f"{statuses.count('not_supported')} NOT_SUPPORTED in {time.monotonic() - t0:.0f}s (log: {log})"
     )
     return data
+
+
+def fail_the_stopped_test(data: dict, returncode: int, log: Path) -> None:
+    """A run stopped during a test (a hang its supervisor ended, a crash): that test failed. The plugin
+    records a SIGTERM itself ('hung: stopped after N s in <test>; rank ...'); a run that could not (SIGKILL,
+    a segfault) gets its record here. A run stopped outside any test names none: it stays undecided."""
+    from harness.procs import describe_exit
+
+    nodeid = data.get("running")
+    if not nodeid:
+        return
+    rec = data.setdefault("tests", {}).setdefault(nodeid, {})
+    if rec.get("status") != "failed":
+        where = "in its teardown" if rec.get("status") else "during it, with no result of its own"
+        rec["status"] = "failed"
+        rec["message"] = f"pytest stopped ({describe_exit(returncode)}) {where}; see {log}"
 
 
 def _slug(name: str) -> str:
@@ -317,6 +338,24 @@ def _print_rows(rows: list) -> None:
         )
 
 
+DEVICE_HELP = (
+    "where the trainer's weights and the engines live: cpu (default) or a GPU (cuda, cuda:0); on a GPU each "
+    "built-in path runs its GPU variant, engines are built on that device, and throughput is gated against "
+    "a GPU ceiling (harness.bench.GPU_FLOOR_TIERS)"
+)
+
+
+def default_backends(device: str) -> list[str]:
+    """Every built-in path on the CPU; on a GPU, the GPU variants this host can run (the NCCL ones need a
+    GPU per rank: at least two)."""
+    if device == "cpu":
+        return list(BUILTIN_BACKENDS)
+    import torch
+
+    one_gpu = torch.cuda.device_count() < 2
+    return [n for n, path in BUILTIN_GPU_BACKENDS.items() if not (one_gpu and "nccl" in path)]
+
+
 def main(argv: list[str] | None = None) -> int:
     usage, _, exits = __doc__.partition("Exit status")
     parser = argparse.ArgumentParser(
@@ -359,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         "defaults in harness.bench.CPU_FLOORS; see docs/performance.md)",
     )
     c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
+    c.add_argument("--device", default="cpu", help=DEVICE_HELP)
     b = sub.add_parser(
         "bench", help="throughput, breakdown and scaling tables with plots; gated by ratio floors"
     )
@@ -393,13 +433,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     b.add_argument("--floor", action="append", default=[], metavar="PATH=RATIO")
     b.add_argument("--out", default="reports")
+    b.add_argument("--device", default="cpu", help=DEVICE_HELP)
     args = parser.parse_args(argv)
+    try:
+        device = set_run_device(args.device)
+        check_available(device)
+    except ValueError as exc:
+        console.print(f"[red]usage error:[/] {exc}")
+        return 2
     if args.command == "bench":
-        args.backend = args.backend or list(BUILTIN_BACKENDS)
+        args.backend = args.backend or default_backends(device)
         return bench(args)
     if args.command == "certify":
         args.default_selection = not args.backend
-        args.backend = args.backend or list(BUILTIN_BACKENDS)
+        args.backend = args.backend or default_backends(device)
         return certify(args)
     return 2
 

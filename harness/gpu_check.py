@@ -595,6 +595,22 @@ GPU_BACKENDS = (
 )
 
 
+def _stop(proc: subprocess.Popen, term_grace_s: float = 10.0) -> None:
+    """Stop a pytest run that overran. SIGTERM first: the weightsync plugin records the running test as
+    failed ('hung: stopped after N s in <test>; rank 1 (pid ..) in 'poll' for X s; stacks in <log>') and
+    dumps every thread's stack; a run that cannot act on it gets SIGABRT (faulthandler's stacks), then
+    SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, term_grace_s), (signal.SIGABRT, 15.0)):
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait()
+
+
 def conformance(out: Path, timeout_s: float) -> list[dict]:
     """The conformance suite over each GPU backend, the three runs side by side."""
     runs = []
@@ -641,12 +657,7 @@ def conformance(out: Path, timeout_s: float) -> list[dict]:
         try:
             proc.wait(timeout=max(1.0, timeout_s - (time.time() - t0)))
         except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGABRT)  # stacks into the log first: where it hung is the finding
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
         log.close()
         data = json.loads(results.read_text()) if results.exists() else {"tests": {}}
         statuses = [t.get("status") for t in data["tests"].values()]

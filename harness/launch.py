@@ -9,6 +9,8 @@ stacks dumped (faulthandler, SIGUSR1) into its log, is killed, and the call fail
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import dataclasses
 import faulthandler
 import multiprocessing as mp
 import os
@@ -16,7 +18,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -199,27 +202,125 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
 # ============================================================================ parent side
 class FifoLock:
     """A lock granted in arrival order. The rank's pipe is shared by the caller and the stream pump;
-    with a plain Lock the pump, which re-takes it at once, can starve the caller on a fast host."""
+    with a plain Lock the pump, which re-takes it at once, can starve the caller on a fast host.
+
+    `acquire(timeout)` gives up after `timeout` seconds. A waiter that gives up, or is interrupted by an
+    exception while it waits (pytest-timeout's SIGALRM, a KeyboardInterrupt), abandons its ticket: the
+    lock skips it, so it never blocks the tickets behind it."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._next_ticket = 0
         self._serving = 0
+        self._abandoned: set[int] = set()
 
-    def __enter__(self) -> None:
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Wait for this caller's turn, at most `timeout` seconds (None: no limit); True once held."""
         with self._cond:
             ticket = self._next_ticket
             self._next_ticket += 1
-            self._cond.wait_for(lambda: self._serving == ticket)
+            granted = False
+            try:
+                granted = self._cond.wait_for(lambda: self._serving == ticket, timeout)
+            finally:
+                if not granted:  # timed out or interrupted: never leave a ticket that nobody serves
+                    if self._serving == ticket:  # its turn came just as it gave up: pass it on
+                        self._advance()
+                    else:
+                        self._abandoned.add(ticket)
+            return granted
+
+    def release(self) -> None:
+        with self._cond:
+            self._advance()
+
+    def _advance(self) -> None:
+        self._serving += 1
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
+
+    def __enter__(self) -> None:
+        self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        with self._cond:
-            self._serving += 1
-            self._cond.notify_all()
+        self.release()
+
+
+class RankBusy(RankFailure):
+    """A call that could not get its rank's pipe before its deadline: another call holds it (the rank
+    is not killed for this; the holder's own deadline does that if the rank does not answer)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInFlight:
+    """A call a rank has not answered yet (for hang reports)."""
+
+    rank: int
+    pid: int | None
+    op: str
+    seconds: float
+    log_path: Path
+    stopped: bool  # SIGSTOPped: it cannot dump its stacks
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid}) in {self.op!r} for {self.seconds:.1f} s"
+
+
+#: Every RankProcess of this process that has not been collected, for hang reports (calls_in_flight).
+_LIVE_RANKS: weakref.WeakSet[RankProcess] = weakref.WeakSet()
+
+
+def calls_in_flight(min_seconds: float = 0.0) -> list[CallInFlight]:
+    """The calls live ranks of this process have in flight for at least `min_seconds`, oldest first."""
+    now = time.monotonic()
+    out = []
+    for r in list(_LIVE_RANKS):
+        current = r._in_flight
+        if current is None or not r.process.is_alive():
+            continue
+        op, since = current
+        if now - since >= min_seconds:
+            stopped = process_state(r.pid) == "T"
+            out.append(CallInFlight(r.rank, r.pid, op, now - since, r.log_path, stopped))
+    return sorted(out, key=lambda c: -c.seconds)
+
+
+def describe_calls_in_flight(min_seconds: float = 0.0, dump_stacks: bool = False) -> str:
+    """'rank 1 (pid 1234) in 'poll' for 95.2 s; stacks in <log>' for each call in flight ('' if none).
+    With dump_stacks, each such rank (unless SIGSTOPped) first writes its Python stacks to its log."""
+    calls = calls_in_flight(min_seconds)
+    parts = []
+    for c in calls:
+        where = f"log {c.log_path}"
+        if c.stopped:
+            where = f"it is stopped (SIGSTOP), no stacks; log {c.log_path}"
+        elif dump_stacks:
+            try:
+                os.kill(c.pid, signal.SIGUSR1)  # faulthandler in rank_main dumps every thread's stack
+                where = f"stacks in {c.log_path}"
+            except (OSError, TypeError):
+                pass
+        parts.append(f"{c.describe()}; {where}")
+    return "; ".join(parts)
+
+
+def kill_live_ranks(grace_s: float = 0.0) -> None:
+    """Kill every live rank of this process, `grace_s` after the first call (a process that is being
+    stopped: its ranks finish their stack dumps, then do not outlive it)."""
+    ranks = [r for r in list(_LIVE_RANKS) if r.process.is_alive()]
+    if ranks and grace_s > 0:
+        time.sleep(grace_s)
+    for r in ranks:
+        with contextlib.suppress(Exception):
+            r.process.kill()
 
 
 class RankProcess:
     """A supervised rank: call(op, ...) returns its result or raises what the rank raised."""
+
+    _in_flight: tuple[str, float] | None = None  # (op, time.monotonic() at its start) while a call runs
 
     def __init__(
         self,
@@ -246,7 +347,7 @@ class RankProcess:
         child.close()
         self._lock = FifoLock()
         self._broken: str | None = None
-        with self._lock:
+        with self._lock, self._running("start"):
             self._reply("start", start_timeout)
 
     @property
@@ -267,24 +368,61 @@ class RankProcess:
     def call(
         self, op: str, timeout: float | None = None, tensors: Mapping[str, torch.Tensor] | None = None, **args
     ):
-        with self._lock:
+        """Run `op` on the rank. `timeout` (default: the rank's) bounds the whole call, the wait for the
+        pipe included: a call that cannot get the pipe in time raises RankBusy, naming the call that holds
+        it; a rank that does not answer in time is killed (stacks dumped) and the call raises RankFailure."""
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout):
+            raise RankBusy(self._busy_message(op, timeout))
+        try:
             if self._broken:
-                raise RankFailure(f"rank {self.rank} is unusable: {self._broken}")
-            try:
-                self._conn.send_bytes(wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
-                if tensors is not None:
-                    self._conn.send_bytes(wire.tensors_to_bytes(tensors))
-            except OSError as exc:  # BrokenPipe: the rank is gone
-                self.process.join(1.0)
-                self._broken = f"died ({describe_exit(self.process.exitcode)}) before {op} ({exc})"
-                raise RankFailure(
-                    f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}"
-                ) from None
-            return self._reply(op, timeout or self.timeout)
+                raise RankFailure(f"rank {self.rank} (pid {self.pid}) is unusable: {self._broken}")
+            left = deadline - time.monotonic()
+            if left < min(timeout / 4, 1.0):  # too little left to wait for a reply: do not start the call
+                raise RankBusy(self._busy_message(op, timeout))
+            with self._running(op):
+                try:
+                    self._conn.send_bytes(
+                        wire.dumps({"op": op, "args": args, "tensors": tensors is not None})
+                    )
+                    if tensors is not None:
+                        self._conn.send_bytes(wire.tensors_to_bytes(tensors))
+                except OSError as exc:  # BrokenPipe: the rank is gone
+                    self.process.join(1.0)
+                    self._broken = f"died ({describe_exit(self.process.exitcode)}) before {op} ({exc})"
+                    raise RankFailure(
+                        f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}"
+                    ) from None
+                return self._reply(op, left)
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _running(self, op: str) -> Iterator[None]:
+        """`op` is in flight on this rank until the block ends (calls_in_flight lists it)."""
+        _LIVE_RANKS.add(self)
+        self._in_flight = (op, time.monotonic())
+        try:
+            yield
+        finally:
+            self._in_flight = None
+
+    def _busy_message(self, op: str, timeout: float) -> str:
+        current = self._in_flight
+        holder = (
+            f"{current[0]!r} in flight for {time.monotonic() - current[1]:.1f} s"
+            if current
+            else "another call holds it"
+        )
+        return (
+            f"rank {self.rank} (pid {self.pid}): {op} could not get the rank's pipe within {timeout:g}s "
+            f"({holder}; the rank is left to that call's deadline)"
+        )
 
     def _reply(self, op: str, timeout: float):
         deadline = time.monotonic() + timeout
-        while not self._conn.poll(POLL_INTERVAL):
+        while not self._ready():
             if not self.process.is_alive():
                 self._broken = f"died ({describe_exit(self.process.exitcode)}) during {op}"
                 raise RankFailure(
@@ -313,6 +451,15 @@ class RankProcess:
         if not header["ok"]:
             raise wire.error_from_json(header["error"], f"rank {self.rank}")
         return tensors if tensors is not None else header["result"]
+
+    def _ready(self) -> bool:
+        """Whether a reply waits on the pipe (after up to POLL_INTERVAL s); RankFailure once it is closed
+        (stop() closes it while a call it could not wait for still waits)."""
+        try:
+            return self._conn.poll(POLL_INTERVAL)
+        except (OSError, ValueError) as exc:
+            self._broken = self._broken or f"pipe closed ({exc})"
+            raise RankFailure(f"rank {self.rank} (pid {self.pid}) {self._broken}") from None
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.is_alive() and not self._broken:
@@ -355,7 +502,10 @@ class RemoteEngine(Engine):
     def __init__(self, rank: RankProcess):
         self.rank = rank
         self._active: dict[str, tuple[RequestStream, list[int]]] = {}  # id -> (stream, [events seen])
-        self._lock = threading.Lock()  # guards _active and serialises polls (no event pushed twice)
+        # Never held across a call to the rank: a poll that waits for a rank which does not answer must
+        # not make submit (or any caller) wait for it beyond its own deadline.
+        self._state = threading.Lock()  # guards _active and _pump
+        self._polling = FifoLock()  # serialises polls (no event pushed twice), in arrival order
         self._pump: threading.Thread | None = None
 
     @property
@@ -366,39 +516,75 @@ class RemoteEngine(Engine):
         return wire.spec_from_json(self.rank.call("weight_spec")) or {}
 
     def _poll(self, wait: float) -> bool:
-        """Fetch new events of every open request; False once none is open."""
-        with self._lock:
-            if not self._active:
-                return False
-            after = {rid: seen[0] for rid, (_, seen) in self._active.items()}
-            batches = self.rank.call("poll", after=after, wait=wait)
-            for rid, events in batches.items():
-                stream, seen = self._active[rid]
-                for ev in events:
-                    stream.push(wire.event_from_json(ev))
-                seen[0] += len(events)
-                if stream.done:
-                    del self._active[rid]
-            return bool(self._active)
+        """Fetch new events of every open request; False once none is open. Bounded by the rank's timeout
+        (the wait for another poll included): RankBusy if a poll in flight holds the turn that long."""
+        timeout = self.rank.timeout
+        deadline = time.monotonic() + timeout
+        if not self._polling.acquire(timeout):
+            raise RankBusy(self.rank._busy_message("poll", timeout))
+        try:
+            with self._state:
+                if not self._active:
+                    return False
+                after = {rid: seen[0] for rid, (_, seen) in self._active.items()}
+            left = deadline - time.monotonic()
+            if left < min(timeout / 4, 1.0):  # too little left to wait for a reply: do not start the call
+                raise RankBusy(self.rank._busy_message("poll", timeout))
+            batches = self.rank.call("poll", timeout=left, after=after, wait=wait)
+            with self._state:
+                for rid, events in batches.items():
+                    entry = self._active.get(rid)
+                    if entry is None:  # its submit failed meanwhile, or the pump gave up on the rank
+                        continue
+                    stream, seen = entry
+                    for ev in events:
+                        stream.push(wire.event_from_json(ev))
+                    seen[0] += len(events)
+                    if stream.done:
+                        del self._active[rid]
+                return bool(self._active)
+        finally:
+            self._polling.release()
 
     def _pump_loop(self) -> None:
         try:
-            while self._poll(0.02):
-                pass
+            while True:
+                try:
+                    self._poll(0.02)
+                except RankBusy:  # a long call (not a poll) holds the pipe: wait on while the rank lives
+                    if not self.rank.healthy:
+                        raise
+                with self._state:  # ends only where submit sees it ended, so it starts another
+                    if not self._active:
+                        self._pump = None
+                        return
         except WeightSyncError as exc:
             # the rank is gone: its open requests are lost, and their streams say so
-            with self._lock:
+            with self._state:
                 for rid, (stream, seen) in self._active.items():
                     if not stream.done:
                         stream.push(TokenEvent(rid, seen[0], None, -1, "abort"))
                 self._active.clear()
+                self._pump = None
             print(f"rank {self.rank.rank}: open requests aborted: {exc}", file=sys.stderr)
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         stream = RequestStream(request)
-        with self._lock:
+        rid = request.request_id
+        with self._state:  # registered before the rank can produce an event for it
+            previous = self._active.get(rid)
+            self._active[rid] = (stream, [0])
+        try:
             self.rank.call("submit", request=wire.request_to_json(request))
-            self._active[request.request_id] = (stream, [0])
+        except BaseException:
+            with self._state:
+                if self._active.get(rid, (None,))[0] is stream:
+                    if previous is None:
+                        del self._active[rid]
+                    else:
+                        self._active[rid] = previous
+            raise
+        with self._state:
             if self._pump is None or not self._pump.is_alive():
                 self._pump = threading.Thread(target=self._pump_loop, name="remote-engine-pump", daemon=True)
                 self._pump.start()

@@ -319,6 +319,24 @@ class Manifest:
                 f"{self.bucket_sizes[bucket]}"
             )
         entries = self.bucket_entries(bucket)
+        return self._unpack_ranges(entries, [e.offset for e in entries], buf, verified, adopt)
+
+    def unpack_ranges(
+        self, entries: list[TensorEntry], offsets: list[int], buf: torch.Tensor, verified: set[str] | None
+    ) -> dict[str, torch.Tensor]:
+        """unpack_bucket for tensors that lie at `offsets` (bytes) of any flat buffer, e.g. a trainer's own
+        storage mapped in place: copies (digested in the same pass on a GPU, as unpack_bucket says)."""
+        with phases.phase("unpack"):
+            return self._unpack_ranges(entries, offsets, buf, verified, adopt=False)
+
+    def _unpack_ranges(
+        self,
+        entries: list[TensorEntry],
+        offsets: list[int],
+        buf: torch.Tensor,
+        verified: set[str] | None,
+        adopt: bool,
+    ) -> dict[str, torch.Tensor]:
         if (
             verified is not None
             and entries
@@ -326,14 +344,13 @@ class Manifest:
             and all(device_digest.is_device_digest(e.digest) for e in entries)
             and device_digest.copy_kernel_available()
         ):
-            whole = device_digest.copy_and_digest_bucket(buf, [(e.offset, e.nbytes) for e in entries])
-            if whole is not None:  # one copy of the bucket; each tensor a view of its range
+            ranges = [(at, e.nbytes) for e, at in zip(entries, offsets, strict=True)]
+            whole = device_digest.copy_and_digest_bucket(buf, ranges)
+            if whole is not None:  # one copy of the buffer; each tensor a view of its range
                 copy, sums = whole
-                copies = [copy[e.offset : e.offset + e.nbytes] for e in entries]
+                copies = [copy[at : at + n] for at, n in ranges]
             else:
-                copies, sums = device_digest.copy_and_digest(
-                    [buf[e.offset : e.offset + e.nbytes] for e in entries]
-                )
+                copies, sums = device_digest.copy_and_digest([buf[at : at + n] for at, n in ranges])
             for e, d in zip(entries, sums, strict=True):
                 if d != e.digest:
                     raise ManifestMismatch(
@@ -346,12 +363,12 @@ class Manifest:
             }
         if adopt and buf.device.type == "cpu":
             return {
-                e.name: from_bytes(buf[e.offset : e.offset + e.nbytes], e.shape, e.torch_dtype)
-                for e in entries
+                e.name: from_bytes(buf[at : at + e.nbytes], e.shape, e.torch_dtype)
+                for e, at in zip(entries, offsets, strict=True)
             }
         return {
-            e.name: from_bytes(buf[e.offset : e.offset + e.nbytes].clone(), e.shape, e.torch_dtype)
-            for e in entries
+            e.name: from_bytes(buf[at : at + e.nbytes].clone(), e.shape, e.torch_dtype)
+            for e, at in zip(entries, offsets, strict=True)
         }
 
     # ------------------------------------------------------------------ wire format

@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 #: The parts of a sync, in the order a stacked bar draws them.
-PHASES = ("digest", "alloc", "pack", "wire", "unpack", "verify", "commit")
+PHASES = ("digest", "alloc", "pack", "wire", "open", "unpack", "verify", "commit")
 ENV = "WEIGHTSYNC_PHASES"
 
 _lock = threading.Lock()

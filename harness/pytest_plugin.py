@@ -16,11 +16,15 @@ loaded. Its fixtures all start with `weightsync_`; its state lives in `config.st
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import importlib.util
 import json
 import os
 import shlex
+import signal
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +32,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from harness.api import ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities, Deployment
+from harness.devices import check_available, set_run_device
 from harness.registry import (
     BUILTIN_BACKENDS,
     BUILTIN_ENGINES,
@@ -117,6 +122,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--weightsync-engine",
         default=os.environ.get("WEIGHTSYNC_ENGINE", "reference"),
         help=f"engine factory: built-in {sorted(BUILTIN_ENGINES)} or 'pkg.module:factory'",
+    )
+    group.addoption(
+        "--weightsync-device",
+        default=os.environ.get("WEIGHTSYNC_DEVICE", "cpu"),
+        help="where engines and payloads live: cpu, or a GPU (cuda:0): built-in paths then run their GPU "
+        "variant and engine factories that take a `device` argument build on it",
     )
     group.addoption(
         "--weightsync-tied-engine",
@@ -266,6 +277,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ACTIVE] = active = selects_weightsync(config)
     if not active:
         return
+    _record_a_stop_from_outside(config)
+    try:  # before any backend or engine is resolved: rank processes inherit it
+        check_available(set_run_device(config.getoption("--weightsync-device")))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--weightsync-device: {exc}") from None
     profile = config.getoption("--weightsync-hypothesis-profile")
     if profile not in HYPOTHESIS_PROFILES:
         raise pytest.UsageError(
@@ -481,7 +497,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             status = "unknown"  # a fault cell that could not run: never counted as passed
         rec.update(status=status, duration_s=round(report.duration, 3))
         if report.failed:
-            rec["message"] = str(report.longrepr)[-2000:]
+            text = str(report.longrepr)
+            rec["message"] = text[-2000:]
+            calls = _rank_calls_in_flight(timed_out="Failed: Timeout >" in text)  # pytest-timeout's
+            if calls:
+                note = f"rank calls in flight: {calls}"
+                rec["message"] = rec["message"][-(1999 - len(note)) :] + "\n" + note
+                report.sections.append(("weightsync: rank calls in flight", calls))
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -519,9 +541,69 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     # Written before and after every test, so a run that is killed (a hang, a timeout, a lost machine)
     # still leaves what passed and names the test it stopped in.
+    item.config.stash[_RUNNING] = (item.nodeid, time.monotonic())
     _write_results(item.config, running=item.nodeid)
     yield
+    item.config.stash[_RUNNING] = None
     _write_results(item.config)
+
+
+#: A failed test names the rank calls in flight for at least this long (any, after a timeout)
+HANG_NOTE_S = 1.0
+_RUNNING = pytest.StashKey["tuple[str, float] | None"]()  # (nodeid, time.monotonic() at its start)
+
+
+def _rank_calls_in_flight(timed_out: bool) -> str:
+    """'rank 1 (pid 1234) in 'poll' for 95.2 s; stacks in <log>' for each call a rank of this process has
+    not answered (harness.launch keeps the registry); after a timeout every one, its stacks dumped first."""
+    launch = sys.modules.get("harness.launch")  # not imported: no rank was ever started
+    if launch is None:
+        return ""
+    return launch.describe_calls_in_flight(0.0 if timed_out else HANG_NOTE_S, dump_stacks=timed_out)
+
+
+def _record_a_stop_from_outside(config: pytest.Config) -> None:
+    """On SIGTERM (a supervisor stopping a hung run), the results file records the running test as
+    failed: 'hung: stopped after N s in <nodeid>; rank 1 (pid ..) in 'poll' for X s; stacks in <log>',
+    and this process's own stacks go to stderr; then the process ends by that signal, as it would have.
+    (SIGABRT cannot run Python: a supervisor sends SIGTERM first, see harness.gpu_check.)"""
+    if not config.getoption("--weightsync-results", default=None):
+        return
+    if threading.current_thread() is not threading.main_thread():
+        return
+    stderr_fd = os.dup(2)  # pytest captures fd 2 during a test: keep a way to the real stderr
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_stop(signum: int, frame) -> None:
+        try:
+            running = config.stash.get(_RUNNING, None)
+            if running is not None:
+                nodeid, t0 = running
+                calls = _rank_calls_in_flight(timed_out=True) or "no rank call in flight"
+                message = f"hung: stopped after {time.monotonic() - t0:.0f} s in {nodeid}; {calls}"
+                rec = outcomes_of(config).setdefault(nodeid, {})
+                rec.update(status="failed", message=message, stopped_by=signal.Signals(signum).name)
+                _write_results(config, running=nodeid)
+                os.write(stderr_fd, f"\nweightsync: {message}\n".encode())
+            faulthandler.dump_traceback(file=stderr_fd, all_threads=True)
+            launch = sys.modules.get("harness.launch")
+            if launch is not None:
+                launch.kill_live_ranks(grace_s=0.5)  # after their stack dumps; never left orphaned
+        finally:
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_stop)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is on_stop:
+            signal.signal(signal.SIGTERM, previous)
+        os.close(stderr_fd)
+
+    config.add_cleanup(restore)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from harness.api import (
     Engine,
     WeightSpec,
 )
+from harness.devices import normalize, run_device
 
 BUILTIN_BACKENDS: dict[str, str] = {
     "disk": "harness.backends.disk:make_backend",
@@ -59,14 +61,24 @@ def load_object(path: str) -> Any:
     return obj
 
 
-def resolve_backend(name: str) -> Backend:
-    """A built-in name (see BUILTIN_BACKENDS) or an import path to a zero-argument factory."""
-    path = BUILTIN_BACKENDS.get(name) or EXTRA_BACKENDS.get(name, name)
+def resolve_backend(name: str, device: str | None = None) -> Backend:
+    """A built-in name (see BUILTIN_BACKENDS) or an import path to a factory. On a device other than the
+    CPU (default: the run's), a built-in name means its GPU variant (BUILTIN_GPU_BACKENDS), and a factory
+    that takes `device` gets it; one that does not is built as it is (it places its tensors itself)."""
+    device = normalize(device) if device is not None else run_device()
+    on_gpu = device != "cpu"
+    if on_gpu and name in BUILTIN_BACKENDS and name not in BUILTIN_GPU_BACKENDS:
+        raise BackendError(
+            f"backend {name!r} has no GPU variant; GPU variants: {sorted(BUILTIN_GPU_BACKENDS)}"
+        )
+    path = (BUILTIN_GPU_BACKENDS.get(name) if on_gpu else None) or BUILTIN_BACKENDS.get(name)
+    path = path or EXTRA_BACKENDS.get(name, name)
     if ":" not in path:
         raise BackendError(
             f"unknown backend {name!r}; built-in: {sorted({**BUILTIN_BACKENDS, **EXTRA_BACKENDS})}, or give 'pkg.module:factory'"
         )
-    backend = load_object(path)()
+    factory = load_object(path)
+    backend = factory(device=device) if on_gpu and takes_device(factory) else factory()
     for attr in ("name", "capabilities", "deploy"):
         if not hasattr(backend, attr):
             raise BackendError(f"factory {path!r} returned {type(backend).__name__}, which has no {attr!r}")
@@ -83,9 +95,37 @@ def engine_path(name: str | None) -> str:
     return path
 
 
-def make_engine(name: str | None, spec: WeightSpec | None) -> Engine:
-    factory: Callable[[WeightSpec | None], Engine] = load_object(engine_path(name))
+def takes_device(factory: Callable) -> bool:
+    """Whether a factory takes the run's device (a `device` argument, or **kwargs)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "device" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def make_engine(name: str | None, spec: WeightSpec | None, device: str | None = None) -> Engine:
+    """Build an engine on `device` (default: the run's, harness.devices.run_device). A factory that takes
+    no `device` argument builds CPU engines only: naming another device for it is refused."""
+    factory: Callable[..., Engine] = load_object(engine_path(name))
+    device = normalize(device) if device is not None else run_device()
+    if takes_device(factory):
+        return factory(spec, device=device)
+    if device != "cpu":
+        raise BackendError(
+            f"engine {name or 'reference'!r} cannot be placed on {device}: its factory takes no 'device' "
+            "argument (give it `device: str | None = None`)"
+        )
     return factory(spec)
+
+
+#: The GPU variant of each built-in backend, which `--device cuda` selects.
+BUILTIN_GPU_BACKENDS: dict[str, str] = {
+    "ipc": "harness.backends.ipc:make_cuda_backend",
+    "broadcast": "harness.backends.broadcast:make_nccl_backend",
+    "delta": "harness.backends.delta:make_nccl_backend",
+    "delta-ipc": "harness.backends.delta:make_cuda_ipc_backend",
+}
 
 
 def engine_capabilities(name: str | None) -> Capabilities:

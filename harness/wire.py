@@ -60,8 +60,8 @@ def event_from_json(d: Mapping[str, Any]) -> TokenEvent:
 
 
 def tensors_to_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    # safetensors wants contiguous, unshared storage
-    return safetensors.torch.save({n: t.detach().contiguous().clone() for n, t in tensors.items()})
+    # safetensors wants contiguous, unshared host storage (a device tensor crosses to the host here)
+    return safetensors.torch.save({n: t.detach().contiguous().cpu().clone() for n, t in tensors.items()})
 
 
 def tensors_from_bytes(data: bytes) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ class BroadcastBackend(Backend):
         self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S
     ):
         self.backend = backend
+        self.ceiling = backend  # a bare broadcast of the same bucket plan over the same library
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.capabilities = Capabilities(
@@ -68,6 +69,6 @@ def make_backend() -> BroadcastBackend:
     return BroadcastBackend()
 
 
-def make_nccl_backend() -> BroadcastBackend:
+def make_nccl_backend(device: str = "cuda") -> BroadcastBackend:
     """The same path over NCCL: rank r on GPU r (the GPU variant; needs 1 + receivers GPUs)."""
     return BroadcastBackend(backend="nccl", bucket_bytes=64 << 20)

@@ -28,6 +28,10 @@ class DeltaBackend(Backend):
         self.timeout_s = timeout_s
         self.max_sparse_fraction = max_sparse_fraction
         self.device = device
+        gpu = device != "cpu"
+        self.ceiling = (
+            ("nccl" if gpu else "gloo") if transport == "broadcast" else ("device-copy" if gpu else "memcpy")
+        )
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
         self.capabilities = Capabilities(
             delta=True,
@@ -76,6 +80,11 @@ def make_ipc_backend() -> DeltaBackend:
     return DeltaBackend("ipc")
 
 
-def make_nccl_backend() -> DeltaBackend:
+def make_nccl_backend(device: str = "cuda") -> DeltaBackend:
     """Delta carried by NCCL broadcast (the GPU variant)."""
-    return DeltaBackend("broadcast", device="cuda")
+    return DeltaBackend("broadcast", device=device)
+
+
+def make_cuda_ipc_backend(device: str = "cuda:0") -> DeltaBackend:
+    """Delta carried by CUDA IPC on one GPU: patches built and applied on the device."""
+    return DeltaBackend("ipc", device=device)

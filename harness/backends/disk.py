@@ -15,6 +15,7 @@ class DiskBackend(Backend):
     read blocked on a hung filesystem holds only its rank, which the supervisor can kill)."""
 
     name = "disk"
+    ceiling = "disk"
     capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True, buckets=True)
 
     def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):

@@ -21,6 +21,8 @@ class IpcBackend(Backend):
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self.device = device
+        # same-GPU CUDA IPC: the engine's copy out of the trainer's buffer is a device-to-device copy
+        self.ceiling = "memcpy" if device == "cpu" else "device-copy"
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.capabilities = Capabilities(
@@ -51,10 +53,11 @@ class IpcBackend(Backend):
         )
 
 
-def make_backend() -> IpcBackend:
-    return IpcBackend()
+def make_backend(device: str = "cpu") -> IpcBackend:
+    """POSIX shared memory on the CPU; CUDA IPC handles on a GPU device."""
+    return IpcBackend(device=device)
 
 
-def make_cuda_backend() -> IpcBackend:
-    """CUDA IPC handles of buffers on cuda:0 (the GPU variant; needs a GPU)."""
-    return IpcBackend(device="cuda:0")
+def make_cuda_backend(device: str = "cuda:0") -> IpcBackend:
+    """CUDA IPC handles of buffers on one GPU (the GPU variant; needs a GPU)."""
+    return IpcBackend(device=device)

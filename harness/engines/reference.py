@@ -34,6 +34,7 @@ from harness.api import (
     WeightSpec,
     copy_weights_into,
 )
+from harness.devices import normalize
 from harness.engines import tiny_lm
 from harness.engines.byte_tokenizer import N_BYTES, ByteTokenizer
 from harness.engines.tiny_lm import FUSED_GROUPS, KVCache, ModelConfig
@@ -61,14 +62,17 @@ class ReferenceEngine(Engine):
         seed: int = 0,
         max_batch: int = 8,
         loads_in_place: bool = False,
+        device: str | torch.device | None = None,
     ):
         self.config = config or ModelConfig()
+        # weights, forward passes, KV and prefix caches all live here; a commit never leaves it
+        self.device = torch.device(normalize(device))
         # one token per byte: the tiny decoder's 256 ids are the byte values (none for a smaller vocab)
         self.tokenizer = ByteTokenizer(self.config.vocab_size) if self.config.vocab_size >= N_BYTES else None
         self.max_batch = max_batch
         self.loads_in_place = loads_in_place
         model_spec = tiny_lm.checkpoint_spec(self.config)
-        checkpoint = tiny_lm.init_checkpoint(self.config, seed)
+        checkpoint = {n: t.to(self.device) for n, t in tiny_lm.init_checkpoint(self.config, seed).items()}
         # Extra tensors ride along as buffers the forward pass does not read (like a model's non-
         # parameter state); they let the suites push any dtype and shape through a path.
         for name, s in (extra or {}).items():
@@ -78,7 +82,7 @@ class ReferenceEngine(Engine):
                         f"extra tensor {name!r} {s} clashes with the model's {model_spec[name]}"
                     )
                 continue
-            checkpoint[name] = torch.zeros(s.shape, dtype=s.dtype)
+            checkpoint[name] = torch.zeros(s.shape, dtype=s.dtype, device=self.device)
         self._spec: dict[str, TensorSpec] = {
             n: TensorSpec(tuple(t.shape), t.dtype) for n, t in checkpoint.items()
         }
@@ -247,7 +251,8 @@ class ReferenceEngine(Engine):
         with self._priority():
             self._refuse_while_loading(version)
             checkpoint = tiny_lm.unfuse(self._live, self.config)
-        checkpoint.update({n: t.detach() for n, t in tensors.items()})  # ownership passes to the engine
+        # ownership passes to the engine (a receiver on another device than the engine's pays a copy here)
+        checkpoint.update({n: t.detach().to(self.device) for n, t in tensors.items()})
         new_live = tiny_lm.fuse(checkpoint)
         with self._priority():
             if version <= self._version:  # re-checked: another commit may have landed meanwhile
@@ -296,7 +301,7 @@ class ReferenceEngine(Engine):
                 raise EngineStateError(f"an in-place load of version {self._loading.version} is open")
             if path is not None:
                 checkpoint = tiny_lm.unfuse(self._live, self.config)
-                save_file({n: t.detach().clone().contiguous() for n, t in checkpoint.items()}, str(path))
+                save_file({n: t.detach().contiguous().cpu() for n, t in checkpoint.items()}, str(path))
             self._live = {}
             self._prefix_cache.clear()
             self._asleep = True
@@ -307,9 +312,11 @@ class ReferenceEngine(Engine):
             if not self._asleep:
                 return
             if path is not None:
-                checkpoint = load_file(str(path))
+                checkpoint = load_file(str(path), device=str(self.device))
             else:
-                checkpoint = {n: torch.zeros(s.shape, dtype=s.dtype) for n, s in self._spec.items()}
+                checkpoint = {
+                    n: torch.zeros(s.shape, dtype=s.dtype, device=self.device) for n, s in self._spec.items()
+                }
             self._live = tiny_lm.fuse(checkpoint)
             self._asleep = False
 
@@ -476,22 +483,22 @@ class _InPlaceLoad(InPlaceLoad):
         self.engine._cond.notify_all()  # the scheduler may step again
 
 
-def make_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+def make_engine(spec: WeightSpec | None = None, device: str | None = None) -> ReferenceEngine:
     """Engine factory (the default one): the tiny decoder, plus `spec`'s extra tensors."""
-    return ReferenceEngine(extra=spec)
+    return ReferenceEngine(extra=spec, device=device)
 
 
-def make_tied_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+def make_tied_engine(spec: WeightSpec | None = None, device: str | None = None) -> ReferenceEngine:
     """The same with tied input/output embeddings (no lm_head.weight)."""
-    return ReferenceEngine(ModelConfig(tie_word_embeddings=True), extra=spec)
+    return ReferenceEngine(ModelConfig(tie_word_embeddings=True), extra=spec, device=device)
 
 
-def make_bf16_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+def make_bf16_engine(spec: WeightSpec | None = None, device: str | None = None) -> ReferenceEngine:
     """The tiny decoder in bfloat16, the dtype RL policies are usually served in."""
-    return ReferenceEngine(ModelConfig(dtype=torch.bfloat16), extra=spec)
+    return ReferenceEngine(ModelConfig(dtype=torch.bfloat16), extra=spec, device=device)
 
 
-def make_in_place_engine(spec: WeightSpec | None = None) -> ReferenceEngine:
+def make_in_place_engine(spec: WeightSpec | None = None, device: str | None = None) -> ReferenceEngine:
     """The tiny decoder loading in place, as vLLM does: receivers stream each verified part of a version
     into the live weights and roll back on failure (Engine.begin_in_place_load)."""
-    return ReferenceEngine(extra=spec, loads_in_place=True)
+    return ReferenceEngine(extra=spec, loads_in_place=True, device=device)

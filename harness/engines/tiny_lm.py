@@ -146,7 +146,7 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     # x: [heads, T, head_dim]
     hd = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd))
     ang = positions.float()[:, None] * inv[None, :]
     cos, sin = ang.cos(), ang.sin()
     x1, x2 = x.float()[..., : hd // 2], x.float()[..., hd // 2 :]
@@ -159,8 +159,9 @@ def forward(
 ) -> tuple[torch.Tensor, KVCache]:
     """Logits of the last position for `tokens` appended after `cache`; returns the grown cache."""
     start = 0 if not cache else cache[0][0].shape[1]
-    ids = torch.tensor(tokens, dtype=torch.long)
-    pos = torch.arange(start, start + len(tokens))
+    dev = live["model.embed_tokens.weight"].device  # the engine's device: every step stays on it
+    ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+    pos = torch.arange(start, start + len(tokens), device=dev)
     x = live["model.embed_tokens.weight"][ids]
     hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     new_cache: KVCache = []
@@ -179,7 +180,7 @@ def forward(
         rep = nh // nkv
         kk, vv = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
         # query t sits at absolute position start+t and sees keys 0..start+t
-        mask = torch.arange(k.shape[1])[None, :] <= pos[:, None]
+        mask = torch.arange(k.shape[1], device=dev)[None, :] <= pos[:, None]
         attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
         x = x + attn.transpose(0, 1).reshape(-1, nh * hd) @ live[p + "self_attn.o_proj.weight"].T
         h = _rms_norm(x, live[p + "post_attention_layernorm.weight"], cfg.rms_eps)

@@ -17,8 +17,8 @@ from harness.registry import make_engine as make_named_engine
 INNER_ENGINE_ENV = "WEIGHTSYNC_FAULT_INNER_ENGINE"
 
 
-def make_engine(spec: WeightSpec | None = None) -> Engine:
-    engine = make_named_engine(os.environ.get(INNER_ENGINE_ENV), spec)
+def make_engine(spec: WeightSpec | None = None, device: str | None = None) -> Engine:
+    engine = make_named_engine(os.environ.get(INNER_ENGINE_ENV), spec, device)
     commit = engine.commit_weights
 
     def commit_weights(tensors, version: int) -> None:

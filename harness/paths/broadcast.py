@@ -312,8 +312,9 @@ class BroadcastReceiver(StagingReceiver):
         now on: its tensors are views of it (no copy). A bucket that arrived on a GPU is unpacked and
         digested there, in one pass."""
         verified = getattr(self, "verified_in_transfer", None)
-        if buf.device.type == "cuda":
-            return {n: t.cpu() for n, t in manifest.unpack_bucket(b, buf, verified=verified).items()}
+        if buf.device.type == "cuda":  # into the engine's memory: its GPU where it has one, else the host
+            target = torch.device(getattr(self.engine, "device", None) or "cpu")
+            return {n: t.to(target) for n, t in manifest.unpack_bucket(b, buf, verified=verified).items()}
         tensors = manifest.unpack_bucket(b, buf, adopt=True)
         if verified is not None:
             manifest.verify_all(tensors)

@@ -1,7 +1,8 @@
 """The collocated path: the engine maps the trainer's buffer instead of receiving a copy over a socket.
 
-CPU: POSIX shared memory (/dev/shm), one segment per bucket. CUDA: CUDA IPC handles of one device
-buffer per bucket (same GPU or a peer GPU). Only metadata crosses the control channel, as JSON:
+CPU: POSIX shared memory (/dev/shm), one segment per bucket. CUDA: CUDA IPC handles of the trainer's
+own storages, read in place where every tensor allows it (same GPU: one copy, digested in the same pass,
+nothing packed), else of one device buffer per bucket (same GPU or a peer GPU). Only metadata crosses the control channel, as JSON:
 segment names or IPC handles (bytes, base64), sizes and a per-sync token. The token is written at
 the head of every buffer, so a receiver given a stale handle (released) or a foreign one (another
 sync's, or anyone else's) gets a clear error instead of someone else's bytes.
@@ -59,11 +60,10 @@ def _map_segment(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-def cuda_handle(buf: torch.Tensor) -> JSON:
-    """JSON-able CUDA IPC handle of a device buffer's storage."""
-    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
-        buf.untyped_storage()._share_cuda_()
-    )
+def cuda_handle(buf: torch.Tensor | torch.UntypedStorage) -> JSON:
+    """JSON-able CUDA IPC handle of a device buffer's storage (or of a storage)."""
+    storage = buf if isinstance(buf, torch.UntypedStorage) else buf.untyped_storage()
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
     b64 = lambda b: base64.b64encode(b).decode() if b else None  # noqa: E731
     return {
         "device": device,
@@ -116,6 +116,8 @@ class IpcSender(Sender):
         self.bucket_bytes = bucket_bytes
         self._segments: list[shared_memory.SharedMemory] = []  # bucket b's segment, kept across syncs
         self._cuda_buffers: list[torch.Tensor] = []
+        self._token: torch.Tensor | None = None  # in place: the sync's token, on the GPU, kept across syncs
+        self._shared: list[torch.UntypedStorage] = []  # in place: the trainer's storages, held until complete
 
     def init(self) -> JSON:
         sweep_abandoned_segments()  # a trainer killed mid-sync left its segments in /dev/shm (RAM)
@@ -126,6 +128,9 @@ class IpcSender(Sender):
         manifest = Manifest.build(version, named_tensors, self.bucket_bytes)
         token = secrets.token_bytes(TOKEN_BYTES)
         token_t = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+        in_place = self._in_place(manifest, named_tensors, token_t) if self.device.type == "cuda" else None
+        if in_place is not None:
+            return {"manifest": manifest.to_json(), "token": token.hex(), "buffers": [], "in_place": in_place}
         buffers = []
         if self.device.type != "cuda":
             self._fit_segments(manifest.bucket_sizes)
@@ -151,6 +156,41 @@ class IpcSender(Sender):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"manifest": manifest.to_json(), "token": token.hex(), "buffers": buffers}
+
+    def _in_place(self, manifest: Manifest, named_tensors, token_t: torch.Tensor) -> JSON | None:
+        """Same-GPU zero copy: the trainer's own storages are shared as they are, and each receiver copies
+        (and digests, in the same pass) every tensor straight out of them into its engine's memory, so
+        nothing is packed. Only where every tensor is a non-empty contiguous run of whole 4-byte words on
+        this GPU, 16-byte aligned in its storage (the copy kernel's wide accesses); else None: packed.
+        The token lives in a small buffer of its own, written last and wiped by complete(): a handle of
+        this sync opens after it, but reads as stale."""
+        storages: list[torch.UntypedStorage] = []
+        index: dict[int, int] = {}
+        placed = []
+        for e in manifest.entries:
+            t = named_tensors[e.name]
+            offset = t.storage_offset() * t.element_size()
+            storage = t.untyped_storage()
+            if (
+                t.device != self.device
+                or not e.nbytes
+                or e.nbytes % 4
+                or not t.is_contiguous()
+                or offset % 16
+                or storage.data_ptr() % 16
+            ):
+                return None
+            k = index.setdefault(storage.data_ptr(), len(storages))
+            if k == len(storages):
+                storages.append(storage)
+            placed.append([k, offset])
+        if self._token is None:
+            self._token = torch.zeros(TOKEN_BYTES, dtype=torch.uint8, device=self.device)
+        self._shared = storages  # none may be freed while a receiver maps it
+        refs = {"token": cuda_handle(self._token), "storages": [cuda_handle(st) for st in storages]}
+        self._token.copy_(token_t)
+        torch.cuda.synchronize(self.device)  # the digests, and the token, are there before any receiver looks
+        return {**refs, "tensors": placed}
 
     def _fit_segments(self, sizes) -> None:
         """One segment of exactly TOKEN_BYTES + size per bucket: kept where it fits, new where not."""
@@ -186,9 +226,12 @@ class IpcSender(Sender):
         # a freed block mapped and intact, so a stale CUDA handle would still open: wipe, then free.
         for buf in self._cuda_buffers:
             buf[:TOKEN_BYTES].zero_()
-        if self._cuda_buffers:
+        if self._token is not None:
+            self._token.zero_()
+        if self._cuda_buffers or self._token is not None:
             torch.cuda.synchronize(self.device)
         self._cuda_buffers.clear()
+        self._shared = []
         for shm in self._segments:
             if os.fstat(shm._fd).st_size >= TOKEN_BYTES:
                 shm.buf[:TOKEN_BYTES] = bytes(TOKEN_BYTES)
@@ -213,7 +256,15 @@ class IpcReceiver(StagingReceiver):
 
     def __init__(self, engine, device: str | None = None):
         super().__init__(engine)
-        self.device = device
+        self.device = device  # None: the engine's own (engine.device), else the host
+        # The trainer's storages mapped by the last sync, held until the next one has opened its own: a
+        # handle still mapped opens as a lookup (torch keeps one mapping per handle while it is used),
+        # where a fresh cudaIpcOpenMemHandle costs far more than a 64 MiB copy on the same GPU.
+        self._still_mapped: list[torch.Tensor] = []
+
+    def _engine_device(self) -> torch.device:
+        """Where the engine wants its tensors: a GPU engine takes device tensors, never a host hop."""
+        return torch.device(self.device or getattr(self.engine, "device", None) or "cpu")
 
     def _init(self, init_info: JSON) -> None:
         if init_info.get("kind") not in ("shm", "cuda"):
@@ -225,6 +276,8 @@ class IpcReceiver(StagingReceiver):
             buffers = list(update_info["buffers"])
         except (KeyError, ValueError, TypeError) as exc:
             raise ManifestMismatch(f"ipc update_info needs 'token' and 'buffers': {exc}") from None
+        if "in_place" in update_info:
+            return self._read_in_place(manifest, update_info["in_place"], token)
         if len(buffers) != len(manifest.bucket_sizes):
             raise ManifestMismatch(f"{len(buffers)} buffers for {len(manifest.bucket_sizes)} buckets")
         out: dict[str, torch.Tensor] = {}
@@ -247,7 +300,8 @@ class IpcReceiver(StagingReceiver):
             tensors = manifest.unpack_bucket(
                 b, buf[TOKEN_BYTES : TOKEN_BYTES + size], verified=self._fused_verified()
             )
-            return {n: t.to(self.device or "cpu") for n, t in tensors.items()}
+            target = self._engine_device()
+            return {n: t.to(target) for n, t in tensors.items()}
         name = str(ref.get("shm"))
         mapping = _map_segment(name)
         try:
@@ -267,6 +321,43 @@ class IpcReceiver(StagingReceiver):
                 del view
         finally:
             mapping.close()
+
+    def _read_in_place(self, manifest: Manifest, ref: JSON, token: bytes) -> dict[str, torch.Tensor]:
+        """Copy every tensor out of the trainer's own storages (IpcSender._in_place), digesting as it goes."""
+        try:
+            token_handle, storages = ref["token"], list(ref["storages"])
+            placed = [(int(k), int(at)) for k, at in ref["tensors"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestMismatch(
+                f"ipc in-place update_info needs 'token', 'storages', 'tensors': {exc}"
+            ) from None
+        if len(placed) != len(manifest.entries):
+            raise ManifestMismatch(f"{len(placed)} placements for {len(manifest.entries)} tensors")
+        with phases.phase("open"):
+            head = open_cuda_handle(token_handle)
+            if head.numel() < TOKEN_BYTES:
+                raise TransferError(f"CUDA token buffer holds {head.numel()} bytes, expected {TOKEN_BYTES}")
+            self._check_token(bytes(head[:TOKEN_BYTES].cpu().numpy()), token, "CUDA token buffer")
+            mapped = [open_cuda_handle(h) for h in storages]
+        groups: dict[int, list] = {}
+        for e, (k, at) in zip(manifest.entries, placed, strict=True):
+            if not 0 <= k < len(mapped) or at < 0 or at + e.nbytes > mapped[k].numel():
+                raise TransferError(
+                    f"version {manifest.version}: tensor {e.name!r} ({e.nbytes} bytes at {at} of storage {k}) "
+                    "lies outside the storages shared"
+                )
+            groups.setdefault(k, []).append((e, at))
+        target, out = self._engine_device(), {}
+        for k, items in groups.items():
+            tensors = manifest.unpack_ranges(
+                [e for e, _ in items], [at for _, at in items], mapped[k], self._fused_verified()
+            )
+            out.update({n: t.to(target) for n, t in tensors.items()})
+        self._still_mapped = [head, *mapped]
+        return out
+
+    def _shutdown(self) -> None:
+        self._still_mapped = []
 
     def _fused_verified(self) -> set[str] | None:
         """Where the staged copies are digested while they are made (GPU): the set they go in."""

@@ -10,5 +10,5 @@ class StallingEngine(ReferenceEngine):
         threading.Event().wait()  # hangs here; the supervisor must notice and dump this stack
 
 
-def make_stalling_engine(spec=None):
-    return StallingEngine(extra=spec)
+def make_stalling_engine(spec=None, device=None):
+    return StallingEngine(extra=spec, device=device)

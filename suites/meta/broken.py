@@ -76,8 +76,8 @@ class StaleTiedHeadEngine(ReferenceEngine):
     """A tied model whose output head is materialised from the embedding once, at load (as a CPU kernel
     repack does), and never again: it stores every pushed embedding, but computes with the first."""
 
-    def __init__(self, extra=None):
-        super().__init__(ModelConfig(tie_word_embeddings=True), extra=extra)
+    def __init__(self, extra=None, device=None):
+        super().__init__(ModelConfig(tie_word_embeddings=True), extra=extra, device=device)
         self._live["lm_head.weight"] = self._live[
             "model.embed_tokens.weight"
         ].clone()  # carried by every commit
@@ -143,8 +143,8 @@ class FusedBlindRollbackEngine(ReferenceEngine):
     the checkpoint names of fused groups (q/k/v, gate/up) are slices it forgets, so they keep what the
     abandoned load wrote."""
 
-    def __init__(self, extra=None):
-        super().__init__(extra=extra, loads_in_place=True)
+    def __init__(self, extra=None, device=None):
+        super().__init__(extra=extra, loads_in_place=True, device=device)
 
     def begin_in_place_load(self, version):
         load = super().begin_in_place_load(version)
@@ -159,32 +159,32 @@ class FusedBlindRollbackEngine(ReferenceEngine):
         return load
 
 
-def make_fused_blind_rollback_engine(spec=None):
-    return FusedBlindRollbackEngine(extra=spec)
+def make_fused_blind_rollback_engine(spec=None, device=None):
+    return FusedBlindRollbackEngine(extra=spec, device=device)
 
 
-def make_stale_tied_head_engine(spec=None):
-    return StaleTiedHeadEngine(extra=spec)
+def make_stale_tied_head_engine(spec=None, device=None):
+    return StaleTiedHeadEngine(extra=spec, device=device)
 
 
-def make_decode_block_caching_engine(spec=None):
-    return DecodeBlockCachingEngine(extra=spec)
+def make_decode_block_caching_engine(spec=None, device=None):
+    return DecodeBlockCachingEngine(extra=spec, device=device)
 
 
-def make_queue_blind_pause_engine(spec=None):
-    return QueueBlindPauseEngine(extra=spec)
+def make_queue_blind_pause_engine(spec=None, device=None):
+    return QueueBlindPauseEngine(extra=spec, device=device)
 
 
-def make_deferred_swap_engine(spec=None):
-    return DeferredSwapEngine(extra=spec)
+def make_deferred_swap_engine(spec=None, device=None):
+    return DeferredSwapEngine(extra=spec, device=device)
 
 
 def make_sign_losing_backend():
     return SignLosingBackend()
 
 
-def make_stale_cache_engine(spec=None):
-    return StaleCacheEngine(extra=spec)
+def make_stale_cache_engine(spec=None, device=None):
+    return StaleCacheEngine(extra=spec, device=device)
 
 
 def make_leaky_backend():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bench import SyncBench, floor_for
+from harness.bench import SyncBench, ceiling_kind, floor_for
 from harness.pytest_plugin import floors_of
 
 pytestmark = pytest.mark.multiproc
@@ -84,7 +84,7 @@ def test_sync_throughput_against_its_ceiling(
 ):
     backend = weightsync_selection.backends[path_name]
     size = pytestconfig.getoption("--weightsync-bench-mib") << 20
-    floor = floor_for(backend.name, size, floors_of(pytestconfig))
+    floor = floor_for(backend.name, size, floors_of(pytestconfig), ceiling_kind(backend))
     rows = [_run(benchmark, backend, size, 1, tmp_path, floor)]
     if rows[0].wrong == 0 and rows[0].verdict != "unreliable" and not rows[0].passed:
         rows.append(_run_again(backend, size, 1, tmp_path, floor))
@@ -108,7 +108,7 @@ def test_sync_scaling(
         size,
         receivers,
         tmp_path,
-        floor_for(backend.name, size, floors_of(pytestconfig)),
+        floor_for(backend.name, size, floors_of(pytestconfig), ceiling_kind(backend)),
         3,
     )
     _gate([row], benchmark)
@@ -121,13 +121,13 @@ def test_gloo_ceiling_broadcasts_the_messages_the_path_sends(tmp_path):
     import torch
 
     from harness.backends.broadcast import BroadcastBackend
-    from harness.bench import GlooCeiling, make_ceiling
+    from harness.bench import CollectiveCeiling, make_ceiling
 
     weights = {f"w{i}": torch.zeros(3 << 19, dtype=torch.bfloat16) for i in range(2)}  # 3 MiB each
     weights["small"] = torch.zeros(1000, dtype=torch.uint8)
     ceiling = make_ceiling(BroadcastBackend(bucket_bytes=1 << 20), weights, 1, str(tmp_path))
     try:
-        assert isinstance(ceiling, GlooCeiling)
+        assert isinstance(ceiling, CollectiveCeiling) and ceiling.backend == "gloo", f"ceiling {ceiling!r}"
         sizes = [b.numel() for b in ceiling.bufs]
         assert sizes == [3 << 20, 3 << 20, 1000], (
             f"ceiling messages {sizes}, the path's plan is 3 MiB, 3 MiB, 1000 B"
