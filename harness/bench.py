@@ -145,11 +145,12 @@ def throughput_cells(row: SyncRow) -> list[str]:
 def payload(
     size_bytes: int, n_tensors: int = 8, seed: int = 0, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Seeded bf16 tensors totalling about `size_bytes`, on `device` (the trainer's weights live there)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Seeded bf16 tensors totalling about `size_bytes`, on `device` (the trainer's weights live there;
+    a GPU draws them itself: gigabytes drawn on the host would take a minute)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     per = max(1, size_bytes // 2 // n_tensors)
     return {
-        f"bench.{i}.weight": torch.randn(per, generator=gen).to(torch.bfloat16).to(device)
+        f"bench.{i}.weight": torch.randn(per, generator=gen, device=device).to(torch.bfloat16)
         for i in range(n_tensors)
     }
 

@@ -473,15 +473,22 @@ def _bucket_self_test(kernel, config: dict, device: str = "cuda", scale: int = 1
         starts.append(at)
         at += (n + 3) // 4 * 4 + 4
     src = torch.randint(-(1 << 31), 1 << 31, (at,), dtype=torch.int32, device=device, generator=gen)
-    dst = torch.full_like(src, -1)
-    out = torch.zeros((len(sizes), 2), dtype=torch.int64, device=device)
-    _run_bucket(src, dst, list(zip(starts, sizes, strict=True)), out, kernel, config)
-    got = [tuple(v & _M64 for v in row) for row in out.cpu().tolist()]
-    want = [reference_sums(src[s : s + n]) for s, n in zip(starts, sizes, strict=True)]
-    if got != want:
-        return f"bucket kernel {config} disagrees with the reference ({got[:2]} != {want[:2]})"
-    if not all(torch.equal(src[s : s + n], dst[s : s + n]) for s, n in zip(starts, sizes, strict=True)):
-        return f"bucket kernel {config} copies wrong bytes"
+    # gathered in reverse order into a buffer of their own: the `to` column is read, not assumed
+    tos, end = [], 0
+    for n in reversed(sizes):
+        tos.insert(0, end)
+        end += (n + 3) // 4 * 4 + 8
+    for where in (starts, tos):
+        dst = torch.full((max(at, end),), -1, dtype=torch.int32, device=device)
+        out = torch.zeros((len(sizes), 2), dtype=torch.int64, device=device)
+        _run_bucket(src, dst, list(zip(starts, sizes, where, strict=True)), out, kernel, config)
+        got = [tuple(v & _M64 for v in row) for row in out.cpu().tolist()]
+        want = [reference_sums(src[s : s + n]) for s, n in zip(starts, sizes, strict=True)]
+        if got != want:
+            return f"bucket kernel {config} disagrees with the reference ({got[:2]} != {want[:2]})"
+        copied = zip(starts, sizes, where, strict=True)
+        if not all(torch.equal(src[s : s + n], dst[d : d + n]) for s, n, d in copied):
+            return f"bucket kernel {config} copies wrong bytes"
     return None
 
 
@@ -495,12 +502,15 @@ def _run_bucket(
     hash_words: bool = True,
 ) -> None:
     """Add each segment's ws64x2 sums into out[k] (int64, contiguous, on src's device) and copy its words
-    from src into dst at the same offsets. dst None: digest only; hash_words False: copy only (the sweep
-    times the schedule's bare copy). Offsets are in words from src's first word and may be negative."""
+    from src into dst. A segment is (start, words) — copied to the same offset of dst — or (start, words,
+    to): copied to offset `to` of dst (scattered sources gathered into one buffer). dst None: digest only;
+    hash_words False: copy only (the sweep times the schedule's bare copy). Offsets are in words from
+    src's (dst's) first word and may be negative; every one a multiple of 4 words (16 bytes)."""
     kernel = kernel or _bucket_kernel()
     config = config or CHUNK_CONFIG
     chunk = config["CHUNK"]
-    most = max(n for _, n in segments)
+    segments = [tuple(seg) if len(seg) == 3 else (seg[0], seg[1], seg[0]) for seg in segments]
+    most = max(n for _, n, _ in segments)
     chunks = max(1, (most + chunk - 1) // chunk)
     if chunks > _MAX_CHUNKS:
         raise ValueError(f"a segment of {most} words exceeds the grid ({chunk} x {_MAX_CHUNKS})")
@@ -525,9 +535,9 @@ def _run_bucket(
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_table(segments: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """The (start, words) table on the device, kept per bucket plan: a sync repeats the same plan, and a
-    host-to-device copy per bucket costs more than a small bucket's kernel."""
+def _segment_table(segments: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
+    """The (start, words, to) table on the device, kept per bucket plan: a sync repeats the same plan, and
+    a host-to-device copy per bucket costs more than a small bucket's kernel."""
     return torch.tensor(segments, dtype=torch.int64).to(device)
 
 
@@ -555,6 +565,31 @@ def copy_and_digest_bucket(
     return dst.view(torch.uint8), sums
 
 
+def copy_and_digest_gathered(raws: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[str]] | None:
+    """Flat uint8 GPU tensors anywhere on one device (e.g. a trainer's storages mapped by CUDA IPC) copied
+    into one new buffer, each tensor's copy at a 16-byte boundary of it, and digested in the same pass:
+    one launch and one transfer of the sums, whatever the number of tensors. Returns (copies, digests);
+    None where that cannot be done exactly (no kernel, a tensor not a whole number of 16-byte-aligned
+    words, one too long for the grid): the caller copies per tensor then."""
+    if not raws or any(r.device.type != "cuda" or r.numel() % 4 for r in raws) or _bucket_kernel() is None:
+        return None
+    words = [r.view(torch.int32) for r in raws]
+    plan = _as_segments(words)
+    if plan is None:
+        return None
+    base, segments = plan
+    tos, end = [], 0
+    for w in words:
+        tos.append(end)
+        end += (w.numel() + 3) // 4 * 4
+    dst = torch.empty(max(end, 4), dtype=torch.int32, device=base.device)
+    out = torch.zeros((len(raws), 2), dtype=torch.int64, device=base.device)
+    _run_bucket(base, dst, [(s, n, to) for (s, n), to in zip(segments, tos, strict=True)], out)
+    copies = [dst[to : to + w.numel()].view(torch.uint8) for w, to in zip(words, tos, strict=True)]
+    sums = [_format(int(a), int(b), r.numel()) for (a, b), r in zip(out.cpu().tolist(), raws, strict=True)]
+    return copies, sums
+
+
 def _build_chunk_kernel():
     if triton is None:
         return None
@@ -578,13 +613,14 @@ def _build_chunk_kernel():
     ):
         t = tl.program_id(0)
         c = tl.program_id(1)
-        start = tl.multiple_of(tl.load(seg_ptr + 2 * t), 4)  # whole 16-byte units: wide accesses
-        n_words = tl.load(seg_ptr + 2 * t + 1)
+        start = tl.multiple_of(tl.load(seg_ptr + 3 * t), 4)  # whole 16-byte units: wide accesses
+        n_words = tl.load(seg_ptr + 3 * t + 1)
+        to = tl.multiple_of(tl.load(seg_ptr + 3 * t + 2), 4)  # where the copy goes, from dst's first word
         first = c.to(tl.int64) * CHUNK
         here = tl.minimum(tl.maximum(n_words - first, 0), CHUNK)  # this program's words
         full = (here // BLOCK).to(tl.int32)
         src = src_ptr + (start + first)
-        dst = dst_ptr + (start + first)
+        dst = dst_ptr + (to + first)
         lanes = tl.arange(0, BLOCK)
         u1, u2, u3, u4 = k1.to(tl.uint32), k2.to(tl.uint32), k3.to(tl.uint32), k4.to(tl.uint32)
         i = first.to(tl.uint32) + lanes.to(tl.uint32)  # word index in the segment, mod 2^32

@@ -329,6 +329,33 @@ class Manifest:
         with phases.phase("unpack"):
             return self._unpack_ranges(entries, offsets, buf, verified, adopt=False)
 
+    def unpack_gathered(
+        self, entries: list[TensorEntry], sources: list[torch.Tensor], verified: set[str]
+    ) -> dict[str, torch.Tensor] | None:
+        """Copies of tensors that lie anywhere on one GPU (flat uint8 views, e.g. of a trainer's storages
+        mapped in place), gathered into one buffer and digested in the same pass: one launch and one
+        transfer of the sums (device_digest.copy_and_digest_gathered). A mismatch raises; the names that
+        passed join `verified`. None where that cannot be done: the caller unpacks buffer by buffer."""
+        if not entries or not all(device_digest.is_device_digest(e.digest) for e in entries):
+            return None
+        with phases.phase("unpack"):
+            got = device_digest.copy_and_digest_gathered(sources)
+            if got is None:
+                return None
+            return self._verified_copies(entries, *got, verified)
+
+    def _verified_copies(
+        self, entries: list[TensorEntry], copies: list[torch.Tensor], sums: list[str], verified: set[str]
+    ) -> dict[str, torch.Tensor]:
+        for e, d in zip(entries, sums, strict=True):
+            if d != e.digest:
+                raise ManifestMismatch(
+                    f"version {self.version}: tensor {e.name!r} digest {d} != manifest {e.digest} "
+                    f"({e.nbytes} bytes): the payload was corrupted or truncated"
+                )
+        verified.update(e.name for e in entries)
+        return {e.name: from_bytes(c, e.shape, e.torch_dtype) for e, c in zip(entries, copies, strict=True)}
+
     def _unpack_ranges(
         self,
         entries: list[TensorEntry],
@@ -351,16 +378,7 @@ class Manifest:
                 copies = [copy[at : at + n] for at, n in ranges]
             else:
                 copies, sums = device_digest.copy_and_digest([buf[at : at + n] for at, n in ranges])
-            for e, d in zip(entries, sums, strict=True):
-                if d != e.digest:
-                    raise ManifestMismatch(
-                        f"version {self.version}: tensor {e.name!r} digest {d} != manifest {e.digest} "
-                        f"({e.nbytes} bytes): the payload was corrupted or truncated"
-                    )
-            verified.update(e.name for e in entries)
-            return {
-                e.name: from_bytes(c, e.shape, e.torch_dtype) for e, c in zip(entries, copies, strict=True)
-            }
+            return self._verified_copies(entries, copies, sums, verified)
         if adopt and buf.device.type == "cpu":
             return {
                 e.name: from_bytes(buf[at : at + e.nbytes], e.shape, e.torch_dtype)

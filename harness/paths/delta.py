@@ -223,9 +223,15 @@ class DeltaReceiver(StagingReceiver):
         """The committed values of the patched tensors, copied into staging memory (warm: reused once
         the engine lets go of it) that becomes the new version once patched in place."""
         base = {}
+        device = torch.device(getattr(self.engine, "device", None) or "cpu")  # patched where the engine lives
         for name in names:
             e = manifest.entry(name)
-            base[name] = from_bytes(self.staging.take(e.nbytes), e.shape, e.torch_dtype)
+            raw = (
+                self.staging.take(e.nbytes)
+                if device.type == "cpu"
+                else torch.empty(e.nbytes, dtype=torch.uint8, device=device)  # the caching allocator's
+            )
+            base[name] = from_bytes(raw, e.shape, e.torch_dtype)
         with phases.phase("unpack"):
             self.engine.read_weights_into(base)
         return base

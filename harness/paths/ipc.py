@@ -339,21 +339,29 @@ class IpcReceiver(StagingReceiver):
                 raise TransferError(f"CUDA token buffer holds {head.numel()} bytes, expected {TOKEN_BYTES}")
             self._check_token(bytes(head[:TOKEN_BYTES].cpu().numpy()), token, "CUDA token buffer")
             mapped = [open_cuda_handle(h) for h in storages]
-        groups: dict[int, list] = {}
         for e, (k, at) in zip(manifest.entries, placed, strict=True):
             if not 0 <= k < len(mapped) or at < 0 or at + e.nbytes > mapped[k].numel():
                 raise TransferError(
                     f"version {manifest.version}: tensor {e.name!r} ({e.nbytes} bytes at {at} of storage {k}) "
                     "lies outside the storages shared"
                 )
+        self._still_mapped = [head, *mapped]
+        target, verified = self._engine_device(), self._fused_verified()
+        entries = list(manifest.entries)
+        # every tensor of every storage in one launch, one transfer of the sums
+        sources = [mapped[k][at : at + e.nbytes] for e, (k, at) in zip(entries, placed, strict=True)]
+        gathered = manifest.unpack_gathered(entries, sources, verified) if verified is not None else None
+        if gathered is not None:
+            return {n: t.to(target) for n, t in gathered.items()}
+        groups: dict[int, list] = {}  # else storage by storage
+        for e, (k, at) in zip(entries, placed, strict=True):
             groups.setdefault(k, []).append((e, at))
-        target, out = self._engine_device(), {}
+        out = {}
         for k, items in groups.items():
             tensors = manifest.unpack_ranges(
-                [e for e, _ in items], [at for _, at in items], mapped[k], self._fused_verified()
+                [e for e, _ in items], [at for _, at in items], mapped[k], verified
             )
             out.update({n: t.to(target) for n, t in tensors.items()})
-        self._still_mapped = [head, *mapped]
         return out
 
     def _shutdown(self) -> None:
