@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -91,9 +92,14 @@ def run_conformance(
         open(log, "w") as f,
     ):
         t0 = time.monotonic()
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=_suite_dir("..").resolve()
         )
+        try:
+            proc.wait()
+        except BaseException:  # certify stopped (SIGTERM, Ctrl-C): its suite is stopped the same way
+            _stop(proc)
+            raise
     if not results.exists():
         return {
             "backend": backend,
@@ -130,6 +136,17 @@ def fail_the_stopped_test(data: dict, returncode: int, log: Path) -> None:
         where = "in its teardown" if rec.get("status") else "during it, with no result of its own"
         rec["status"] = "failed"
         rec["message"] = f"pytest stopped ({describe_exit(returncode)}) {where}; see {log}"
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM first, so the suite's plugin records the test it hung in (and the ranks' calls in
+    flight) as failed; SIGKILL if it has not ended after `grace_s`."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _slug(name: str) -> str:
@@ -435,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="reports")
     b.add_argument("--device", default="cpu", help=DEVICE_HELP)
     args = parser.parse_args(argv)
+    if argv is None:  # the command itself (not a caller's process): a supervisor's SIGTERM (`timeout`)
+        # unwinds like Ctrl-C, so a running suite is stopped and its hung test recorded
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         device = set_run_device(args.device)
         check_available(device)

@@ -566,7 +566,7 @@ def _record_a_stop_from_outside(config: pytest.Config) -> None:
     """On SIGTERM (a supervisor stopping a hung run), the results file records the running test as
     failed: 'hung: stopped after N s in <nodeid>; rank 1 (pid ..) in 'poll' for X s; stacks in <log>',
     and this process's own stacks go to stderr; then the process ends by that signal, as it would have.
-    (SIGABRT cannot run Python: a supervisor sends SIGTERM first, see harness.gpu_check.)"""
+    (SIGABRT cannot run Python: a supervisor sends SIGTERM first, as `timeout` does in .ci/gpu-run.sh.)"""
     if not config.getoption("--weightsync-results", default=None):
         return
     if threading.current_thread() is not threading.main_thread():

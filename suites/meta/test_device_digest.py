@@ -108,7 +108,7 @@ def test_host_tensors_keep_xxh3_and_forcing_ws64x2_works_anywhere():
     assert digests([t], "ws64x2")[0] == dd.reference_digest(as_bytes(t))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: .ci/gpu-run.sh)")
 def test_the_kernel_gives_the_references_bits():
     assert dd.kernel_status().startswith("triton"), dd.kernel_status()
     gen = torch.Generator().manual_seed(1)
@@ -117,7 +117,7 @@ def test_the_kernel_gives_the_references_bits():
         assert dd.device_digests([raw.cuda()])[0] == dd.reference_digest(raw), n
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: .ci/gpu-run.sh)")
 def test_one_launch_for_many_tensors_gives_each_tensors_digest():
     assert "one launch for many tensors" in dd.kernel_status(), dd.kernel_status()
     gen = torch.Generator().manual_seed(2)
@@ -140,7 +140,7 @@ def test_separate_tensors_become_segments_of_one_address_range_only_when_aligned
     assert dd._as_segments([dd._words(host[4:68]), *words]) is None  # 4 bytes past an aligned start
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: .ci/gpu-run.sh)")
 def test_tensors_on_and_off_16_byte_boundaries_give_the_references_bits():
     """Aligned tensors go through the (segment, chunk) grid as one address range; a view that starts
     off a 16-byte boundary sends the whole list to the address-table kernel. Same bits either way."""
@@ -159,7 +159,7 @@ def test_tensors_on_and_off_16_byte_boundaries_give_the_references_bits():
         assert dd.device_digests(raws) == [dd.reference_digest(r.cpu()) for r in raws]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: .ci/gpu-run.sh)")
 def test_copy_and_digest_copies_every_byte_and_gives_the_references_bits():
     assert dd.copy_kernel_available(), dd._status
     gen = torch.Generator().manual_seed(3)
@@ -171,7 +171,7 @@ def test_copy_and_digest_copies_every_byte_and_gives_the_references_bits():
     assert all(torch.equal(c.cpu(), r) for c, r in zip(copies, raws))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: .ci/gpu-run.sh)")
 def test_a_flipped_bit_in_a_gpu_bucket_is_caught_while_unpacking():
     gen = torch.Generator(device="cuda").manual_seed(4)
     tensors = {
@@ -188,7 +188,7 @@ def test_a_flipped_bit_in_a_gpu_bucket_is_caught_while_unpacking():
     assert not verified
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: harness.gpu_check)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the GPU run: .ci/gpu-run.sh)")
 def test_a_whole_bucket_is_copied_and_each_tensor_digested_in_one_pass():
     gen = torch.Generator(device="cuda").manual_seed(6)
     tensors = {
