@@ -27,7 +27,7 @@ from harness import phases
 from harness.api import Backend, spec_of
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
-from harness.devices import run_device
+from harness.devices import normalize, run_device
 from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 
 #: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
@@ -384,13 +384,6 @@ class MemcpyCeiling(Ceiling):
             self.pool.shutdown()
 
 
-class GlooCeiling(CollectiveCeiling):
-    """The broadcast ceiling over gloo (the CPU variant)."""
-
-    def __init__(self, sizes: list[int], receivers: int, timeout_s: float = 120.0):
-        super().__init__(sizes, receivers, timeout_s, backend="gloo")
-
-
 class DeviceCopyCeiling(Ceiling):
     """Copies of the payload's bytes on GPUs: from the trainer's device to each receiver's (the same GPU:
     a device-to-device copy, what same-GPU CUDA IPC bounds on; another GPU: a peer copy). The copies of
@@ -538,10 +531,12 @@ class SyncBench:
         self.backend, self.receivers, self.floor, self.engine = backend, receivers, floor, engine
         self.bucket_bytes = bucket_bytes
         self.kind = ceiling_kind(backend)
-        # a GPU path's trainer holds its weights on the GPU, where the run's engines live too
-        self.device = run_device() if self.kind in GPU_CEILINGS else "cpu"
-        if self.kind in GPU_CEILINGS and self.device == "cpu":
-            self.device = str(getattr(backend, "device", None) or "cuda:0")
+        # a GPU path's trainer holds its weights on the GPU: the run's, else the backend's own
+        self.device = "cpu"
+        if self.kind in GPU_CEILINGS:
+            self.device = normalize(
+                run_device() if run_device() != "cpu" else getattr(backend, "device", None) or "cuda"
+            )
         self.weights = payload(size, n_tensors, device=self.device)
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self.changed = (

@@ -51,7 +51,3 @@ def check_available(device: str) -> None:
             raise ValueError(f"device {device}: CUDA is not available here (torch {torch.__version__})")
         if (d.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
-
-
-def is_gpu(device: str | torch.device | None) -> bool:
-    return torch.device(normalize(device)).type != "cpu"

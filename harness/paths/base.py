@@ -59,6 +59,11 @@ class StagingReceiver(Receiver, abc.ABC):
     def state(self) -> str:
         return self._lc.state
 
+    def engine_device(self) -> torch.device:
+        """Where the engine keeps its weights (its `device`; the host for an engine that names none):
+        what a path hands it, so a GPU engine never takes a host hop."""
+        return torch.device(getattr(self.engine, "device", None) or "cpu")
+
     def rebind(self, engine: Engine) -> None:
         """Deliver into another engine from now on (the transport stays up)."""
         with self._mutex:

@@ -313,7 +313,7 @@ class BroadcastReceiver(StagingReceiver):
         digested there, in one pass."""
         verified = getattr(self, "verified_in_transfer", None)
         if buf.device.type == "cuda":  # into the engine's memory: its GPU where it has one, else the host
-            target = torch.device(getattr(self.engine, "device", None) or "cpu")
+            target = self.engine_device()
             return {n: t.to(target) for n, t in manifest.unpack_bucket(b, buf, verified=verified).items()}
         tensors = manifest.unpack_bucket(b, buf, adopt=True)
         if verified is not None:

@@ -223,7 +223,7 @@ class DeltaReceiver(StagingReceiver):
         """The committed values of the patched tensors, copied into staging memory (warm: reused once
         the engine lets go of it) that becomes the new version once patched in place."""
         base = {}
-        device = torch.device(getattr(self.engine, "device", None) or "cpu")  # patched where the engine lives
+        device = self.engine_device()  # patched where the engine lives
         for name in names:
             e = manifest.entry(name)
             raw = (

@@ -19,7 +19,7 @@ PIECE = 4 << 10  # the broken ceiling's message size: 4,096 messages where the p
 
 def _cut_into_small_messages(backend, weights, receivers, workdir, bucket_bytes=None):
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    return bench.GlooCeiling([PIECE] * (nbytes // PIECE), receivers)
+    return bench.CollectiveCeiling([PIECE] * (nbytes // PIECE), receivers, backend="gloo")
 
 
 def test_a_ceiling_slower_than_its_path_never_passes_the_gate(monkeypatch, tmp_path):
