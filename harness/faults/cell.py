@@ -7,12 +7,14 @@ then the checker's verdict (harness.checks.judge_cell). Jepsen's shape: client, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ import torch
 
 from harness.api import Backend, Capabilities, RankInfo, TensorSpec
 from harness.checks import CellObservation, judge_cell
+from harness.deadline import Overran, PhaseWatch, over_bound
 from harness.deployment import push
 from harness.faults import engines as fault_engines
 from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, PRIVATE_SHM_ENV, Fault, FaultContext
@@ -49,6 +52,7 @@ class CellResult:
     recover_s: float | None = None  # the push after heal: until every engine held the new version
     timeout_s: float | None = None
     log: list[str] = dataclasses.field(default_factory=list)
+    stacks: str = ""  # the cell's own stack when a phase overran its deadline
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,6 +69,33 @@ def with_timeout(backend: Backend, timeout_s: float) -> Backend:
 def seeded_weights(spec, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {n: (0.2 * torch.randn(s.shape, generator=gen)).to(s.dtype) for n, s in spec.items()}
+
+
+#: The fraction of each tensor one optimizer step changes in a cell's versions (RL fine-tuning in bf16
+#: changes ~1% of the entries per step): small enough that a patch path sends patches, not dense tensors.
+STEP_FRACTION = 0.01
+
+
+def next_step(weights: dict[str, torch.Tensor], seed: int, fraction: float = STEP_FRACTION):
+    """The weights one trainer step later: `fraction` of each tensor's entries (at least one) changed."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in weights.items():
+        flat = w.detach().clone().reshape(-1)
+        k = max(1, int(flat.numel() * fraction))
+        idx = torch.randperm(flat.numel(), generator=gen)[:k]
+        flat[idx] = (flat[idx].float() + 0.05 + 0.1 * torch.rand(k, generator=gen)).to(w.dtype)
+        out[name] = flat.reshape(w.shape)
+    return out
+
+
+def cell_versions(spec, seed: int, n: int = 3) -> dict[int, dict[str, torch.Tensor]]:
+    """A cell's versions 1..n: consecutive trainer steps (a small fraction changed each), so a patch
+    path moves patches through the fault and has to handle a base that differs after it."""
+    versions = {1: seeded_weights(spec, seed * 10 + 1)}
+    for v in range(2, n + 1):
+        versions[v] = next_step(versions[v - 1], seed * 10 + v)
+    return versions
 
 
 def deploy_for_faults(
@@ -101,20 +132,31 @@ def detached(exc: BaseException) -> BaseException:
 
 
 def strike(
-    dep, fault: Fault, ctx: FaultContext, versions: dict, version: int, timeout_s: float
+    dep,
+    fault: Fault,
+    ctx: FaultContext,
+    versions: dict,
+    version: int,
+    timeout_s: float,
+    watch: PhaseWatch | None = None,
 ) -> CellObservation:
     """The nemesis' half of a cell: push `version` under `fault`, heal, read every engine. Raises only
     if the fault could not be set up (the cell is then unknown)."""
+    enter = watch.phase if watch is not None else (lambda name: None)
     obs = CellObservation(fault=fault, timeout_s=timeout_s, versions=versions, version=version)
+    enter("inject")
     fault.setup(ctx)
     tensors = fault.arm(ctx, versions[version])
     obs.victim_name = dep.processes()[ctx.victim].name if dep.processes() else None
+    enter("push")
     t0 = time.monotonic()
     try:
         push(dep, version, tensors)
     except Exception as exc:  # noqa: BLE001 - the failure is what the checker judges
         obs.error = detached(exc)
     obs.detect_s = time.monotonic() - t0
+    note_patch(ctx, dep, version)
+    enter("heal")
     fault.disarm(ctx)
     ctx.join_timers()
     fault.heal(ctx)
@@ -123,7 +165,19 @@ def strike(
     return obs
 
 
-def recover(dep, obs: CellObservation, version: int) -> None:
+def note_patch(ctx: FaultContext, dep, version: int) -> None:
+    """Into the cell's log: how a patch path sent `version` (patches or dense), so a reader sees that
+    the cell exercised patches."""
+    history = getattr(dep.sender, "history", None)
+    if history:
+        last = history[-1]
+        ctx.note(
+            f"version {version} prepared as {last.moved_bytes} of {last.dense_bytes} dense bytes "
+            f"({last.dense_tensors} tensor(s) dense)"
+        )
+
+
+def recover(dep, obs: CellObservation, version: int, ctx: FaultContext | None = None) -> None:
     """The push after heal (no redeploy by hand), and the final oracle read."""
     obs.recovery_version = version
     t1 = time.monotonic()
@@ -132,6 +186,8 @@ def recover(dep, obs: CellObservation, version: int) -> None:
     except Exception as exc:  # noqa: BLE001
         obs.recovery_error = detached(exc)
     obs.recover_s = time.monotonic() - t1
+    if ctx is not None:
+        note_patch(ctx, dep, version)
     obs.after_recovery = read_engines(dep)
 
 
@@ -145,7 +201,9 @@ def run_cell(
     timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
     caps: Capabilities | None = None,
 ) -> CellResult:
-    """Run one cell and judge it. Never raises for the system's faults: they are the verdict."""
+    """Run one cell and judge it. Never raises for the system's faults: they are the verdict. Each phase
+    (deploy, clean push, inject, push, heal, recovery, cleanup) runs under a deadline of its own
+    (harness.deadline): a backend that blocks past it fails the cell, and the cell still ends."""
     caps = caps or backend.capabilities
     if (
         fault_kind == "storage-full"
@@ -160,53 +218,93 @@ def run_cell(
     if reason:
         result.verdict, result.reasons = "not_applicable", [reason]
         return result
-    segments_before = own_segments()  # the trainer's segments that are not this cell's (e.g. a suite's pool)
-    try:
-        dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
-    except Exception as exc:  # noqa: BLE001 - a cell that cannot start is unknown, never ok
-        result.reasons = [f"deploy failed: {type(exc).__name__}: {exc}"]
+    unbounded = over_bound(with_timeout(backend, timeout_s), timeout_s)
+    if unbounded:  # it would hold a stalled sync that long: failed by its declaration, nothing run
+        result.verdict = "fail"
+        result.reasons = [
+            f"bounded: the backend declares {', '.join(unbounded)}, over the cell's {timeout_s:g} s timeout "
+            "(set with timeout_s): a stalled party would hold every sync that long"
+        ]
         return result
+    segments_before = own_segments()  # the trainer's segments that are not this cell's (e.g. a suite's pool)
     seen: dict[int, RankInfo] = {}
-    ctx = FaultContext(dep, workdir, random.Random(seed))
-    try:
+    ctx = FaultContext(None, workdir, random.Random(seed))  # type: ignore[arg-type] - deployed below
+    held: dict[str, object] = {}
+
+    def body(watch: PhaseWatch) -> None:
+        watch.phase("deploy")
+        try:
+            dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
+        except Exception as exc:  # noqa: BLE001 - a cell that cannot start is unknown, never ok
+            result.reasons = [f"deploy failed: {type(exc).__name__}: {exc}"]
+            return
+        held["dep"] = ctx.deployment = dep
+        try:
+            _workload(dep, watch)
+        finally:
+            watch.phase("cleanup")
+            try:
+                dep.close()
+            finally:
+                fault.teardown(ctx)
+
+    def _workload(dep, watch: PhaseWatch) -> None:
         reason = fault.applies(backend_name, caps, dep)
         if reason:
             result.verdict, result.reasons = "not_applicable", [reason]
-            return result
+            return
         model = dep.handles[0].engine.weight_spec()
-        versions = {v: seeded_weights(model, seed * 10 + v) for v in (1, 2, 3)}
+        versions = cell_versions(model, seed)
         seen.update({p.pid: p for p in dep.processes()})
+        watch.phase("clean push")
         try:
             push(dep, 1, versions[1])
         except Exception as exc:  # noqa: BLE001
             result.reasons = [
                 f"the clean push of version 1 failed before any fault: {type(exc).__name__}: {exc}"
             ]
-            return result
+            return
         try:
-            obs = strike(dep, fault, ctx, versions, 2, timeout_s)
+            obs = strike(dep, fault, ctx, versions, 2, timeout_s, watch)
+        except Overran:
+            raise
         except Exception as exc:  # noqa: BLE001 - the nemesis could not act: unknown
             result.reasons = [f"the fault could not be set up: {type(exc).__name__}: {exc}"]
-            return result
+            return
         result.point = fault.describe(ctx)
         seen.update({p.pid: p for p in dep.processes()})
-        recover(dep, obs, 3)
+        watch.phase("recovery")
+        recover(dep, obs, 3, ctx)
         seen.update({p.pid: p for p in dep.processes()})
         result.verdict, result.reasons = judge_cell(obs)
         result.error = obs.error_text()
         result.detect_s, result.recover_s = round(obs.detect_s, 3), round(obs.recover_s, 3)
-        return result
-    finally:
-        result.log = ctx.log
-        try:
-            dep.close()
-        finally:
-            fault.teardown(ctx)
-        leaks = leaked(seen.values(), workdir, segments_before)
-        if leaks and result.verdict in ("ok", "fail"):
-            result.verdict = "fail"
-            result.reasons.append("leaked after close: " + "; ".join(leaks))
+
+    def kill_ranks() -> None:
+        dep = held.get("dep")
+        for p in dep.processes() if dep is not None else []:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGKILL)
+
+    watch = PhaseWatch(timeout_s, on_overrun=kill_ranks)
+    overrun = watch.run(body)
+    result.log = ctx.log
+    if overrun is not None:
+        if not result.point and ctx.deployment is not None:
+            result.point = fault.describe(ctx)
+        result.verdict = "fail"
+        result.reasons = [f"{fault_kind}: {overrun.describe()}", *result.reasons]
+        result.stacks = overrun.stacks
         shutil.rmtree(workdir / "fault-triggers", ignore_errors=True)
+        return result  # its ranks were killed: what is left is the overrun's doing, not a leak to judge
+    if watch.error is not None:
+        raise watch.error
+    leaks = leaked(seen.values(), workdir, segments_before)
+    if leaks and result.verdict in ("ok", "fail"):
+        result.verdict = "fail"
+        result.reasons.append("leaked after close: " + "; ".join(leaks))
+    shutil.rmtree(workdir / "fault-triggers", ignore_errors=True)
+    return result
 
 
 def read_engines(dep) -> list[tuple[int, dict[str, torch.Tensor]] | str]:

@@ -27,7 +27,7 @@ import torch
 
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
-from harness.faults.cell import CELL_SPEC, N_RECEIVERS, CellResult, seeded_weights, with_timeout
+from harness.faults.cell import CELL_SPEC, N_RECEIVERS, CellResult, cell_versions, with_timeout
 from harness.paths.ipc import own_segments
 from harness.registry import engine_capabilities, resolve_backend
 
@@ -73,13 +73,14 @@ def trainer_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     dep = _deploy(a.backend, Path(a.workdir), a.engine, a.timeout)
     model = dep.handles[0].engine.weight_spec()
-    push(dep, 1, seeded_weights(model, a.seed * 10 + 1))
+    versions = cell_versions(model, a.seed, 2)
+    push(dep, 1, versions[1])
     kill_at = random.Random(a.seed).randint(1, 2 * len(model))  # a sender reads each tensor about twice
     print(
         json.dumps({"trainer": os.getpid(), "ranks": [r.pid for r in dep.processes()], "kill_at": kill_at}),
         flush=True,
     )
-    push(dep, 2, KillingTensors(seeded_weights(model, a.seed * 10 + 2), kill_at))
+    push(dep, 2, KillingTensors(versions[2], kill_at))
     print(json.dumps({"survived": True}), flush=True)  # the kill point was never reached
     dep.close()
     return 0
@@ -159,7 +160,7 @@ def run_trainer_kill_cell(
     else:
         try:
             model = dep.handles[0].engine.weight_spec()
-            weights = {v: seeded_weights(model, seed * 10 + v) for v in (1, 2)}
+            weights = cell_versions(model, seed, 2)
             push(dep, 1, weights[1])
             push(dep, 2, weights[2])
             for i, h in enumerate(dep.handles):

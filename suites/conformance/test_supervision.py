@@ -22,8 +22,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.single_receiver]
 TIMEOUT_S = 3.0
 
 
-def _weights(dep, seed):
-    return random_like_spec(dep.handles[0].engine.weight_spec(), seed=seed)
+def _weights(spec, seed):
+    return random_like_spec(spec, seed=seed)
 
 
 def _deploy(backend, n, tmp_path, engine=None):
@@ -40,11 +40,13 @@ def test_rank_killed_between_syncs_is_restarted_by_the_next_push(
     weightsync_backend, weightsync_n_receivers, tmp_path
 ):
     with _deploy(weightsync_backend, weightsync_n_receivers, tmp_path) as dep:
-        push(dep, 1, _weights(dep, 1))
+        # the trainer's side of the spec, read while every rank is up: at 1 receiver the victim is the
+        # only engine there is, and a dead rank has no spec to give
+        spec = dep.handles[0].engine.weight_spec()
+        push(dep, 1, _weights(spec, 1))
         victim = dep.processes()[-1]
         os.kill(victim.pid, signal.SIGKILL)
-        weights = _weights(dep, 2)
-        push(dep, 2, weights)  # no redeploy by hand
+        push(dep, 2, _weights(spec, 2))  # no redeploy by hand
         now = dep.processes()[-1]
         assert now.pid != victim.pid, f"{victim.name} (pid {victim.pid}) was killed but not replaced"
         for i, h in enumerate(dep.handles):
@@ -62,7 +64,7 @@ def test_hung_rank_is_killed_with_its_stacks_dumped(weightsync_backend, weightsy
     ) as dep:
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:
-            push(dep, 1, _weights(dep, 1))  # finish hangs in commit_weights on every rank
+            push(dep, 1, _weights(dep.handles[0].engine.weight_spec(), 1))  # finish hangs in commit_weights on every rank
         elapsed = time.monotonic() - t0
         assert elapsed < 2 * TIMEOUT_S, f"the hang surfaced after {elapsed:.1f}s with a {TIMEOUT_S}s timeout"
         message = str(info.value)

@@ -149,4 +149,5 @@ def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request):
         f"fault cell {backend_name} x {kind} (seed {seed}, {result.point}, timeout {timeout_s:g}s):\n  "
         + "\n  ".join(result.reasons)
         + f"\nerror of the faulty push: {result.error}\nwhat the nemesis did: {result.log}\nrerun: {rerun}"
+        + (f"\nthe cell's stack when its deadline passed:\n{result.stacks[-2000:]}" if result.stacks else "")
     )

@@ -379,3 +379,63 @@ class OneBufferIpcBackend(IpcBackend):
 
 def make_one_buffer_ipc_backend():
     return OneBufferIpcBackend()
+
+
+class _BaseKeepingDeltaSender(DeltaSender):
+    """Keeps its base when told to forget it: after a split (one engine committed, one did not) it
+    patches against a base some engine no longer holds, and never falls back to a full sync."""
+
+    def reset_base(self):
+        pass  # the defect under test
+
+
+class BaseKeepingDeltaBackend(DeltaBackend):
+    def __init__(self):
+        super().__init__("broadcast")
+        self.name = "broken-base-keeping-delta"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        dep.sender.__class__ = _BaseKeepingDeltaSender
+        return dep
+
+
+def make_base_keeping_delta_backend():
+    return BaseKeepingDeltaBackend()
+
+
+#: NCCL's default collective timeout, which a backend that never passes its own keeps.
+NCCL_DEFAULT_TIMEOUT_S = 1800.0
+
+
+class _HalfHourTimeouts(DiskBackend):
+    """Waits 30 minutes for a rank that does not answer, whatever timeout_s it is given."""
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        for r in dep.ranks:
+            r.timeout = NCCL_DEFAULT_TIMEOUT_S  # the defect under test
+        return dep
+
+
+class DeclaredHalfHourBackend(_HalfHourTimeouts):
+    """... and says so: its declared rank RPC timeout is the 30 minutes it waits."""
+
+    name = "broken-declared-half-hour"
+
+    def timeouts(self):
+        return {"timeout_s": self.timeout_s, "rank rpc": NCCL_DEFAULT_TIMEOUT_S}
+
+
+class UndeclaredHalfHourBackend(_HalfHourTimeouts):
+    """... and declares the timeout_s it is given: only a deadline of the harness's own bounds it."""
+
+    name = "broken-undeclared-half-hour"
+
+
+def make_declared_half_hour_backend():
+    return DeclaredHalfHourBackend()
+
+
+def make_undeclared_half_hour_backend():
+    return UndeclaredHalfHourBackend()

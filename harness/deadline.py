@@ -1,0 +1,147 @@
+"""Deadlines the harness enforces itself, whatever the backend under test does with its own timeouts.
+
+A backend declares the waits its code may block on (`Backend.timeouts()`, by name, in seconds); a
+declaration over the bound a suite asks for fails before anything runs. What a backend does not
+declare is bounded by a watch: the work runs in a thread, phase by phase, each phase with a budget
+of twice the timeout plus what that phase costs (spawning ranks, moving the payload); a phase that
+overruns ends the work as a failure that names the phase, the rank calls in flight and the stacks.
+
+    watch = PhaseWatch(timeout_s=4.0, on_overrun=lambda: kill(ranks))
+    overrun = watch.run(body)          # body(watch) calls watch.phase("push") as it goes
+    overrun.describe()                 # "phase 'push' overran its 18 s budget ...", or None
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+#: What a phase may cost beyond the sync's own timeout: spawning rank processes (importing torch in
+#: each), moving a cell's payload on a loaded 2-core runner.
+SETUP_S = 60.0
+PHASE_SLACK_S = 10.0
+#: After an overrun, how long the work has to clean up once its ranks are killed.
+CLEANUP_GRACE_S = 15.0
+
+
+def declared_timeouts(backend) -> dict[str, float]:
+    """The waits `backend` declares, by name: its `timeouts()` if it has one, else its `timeout_s`."""
+    if callable(getattr(backend, "timeouts", None)):
+        return {str(k): float(v) for k, v in backend.timeouts().items()}
+    if getattr(backend, "timeout_s", None) is not None:
+        return {"timeout_s": float(backend.timeout_s)}
+    return {}
+
+
+def over_bound(backend, bound_s: float) -> list[str]:
+    """One line per declared wait longer than `bound_s` (empty: every declared wait is bounded)."""
+    return [
+        f"{name} = {seconds:g} s"
+        for name, seconds in sorted(declared_timeouts(backend).items())
+        if seconds > bound_s
+    ]
+
+
+class Overran(Exception):
+    """Raised in the watched work when it enters a phase after its deadline passed: it should only clean up."""
+
+
+@dataclasses.dataclass
+class Overrun:
+    phase: str
+    budget_s: float
+    elapsed_s: float
+    calls: str  # the rank calls in flight ('' if none)
+    stacks: str  # the watched thread's stack when the budget ran out
+    cleanup_done: bool = True
+
+    def describe(self) -> str:
+        calls = self.calls or "no rank call in flight"
+        tail = "" if self.cleanup_done else "; its cleanup did not end either (abandoned)"
+        return (
+            f"phase {self.phase!r} overran its {self.budget_s:g} s budget (stopped at {self.elapsed_s:.1f} s); "
+            f"{calls}{tail}"
+        )
+
+
+def phase_budget(phase: str, timeout_s: float) -> float:
+    """Twice the timeout plus the phase's own cost: spawning ranks where the phase may (re)start them."""
+    spawn = SETUP_S if phase in ("deploy", "recovery") else 0.0
+    return 2 * timeout_s + PHASE_SLACK_S + spawn
+
+
+class PhaseWatch:
+    """Runs `body(watch)` in a thread; the caller's thread keeps the clock. `on_overrun` runs once when
+    a phase overran (kill the ranks, so the blocked call returns and the work can clean up)."""
+
+    def __init__(self, timeout_s: float, on_overrun: Callable[[], None] | None = None):
+        self.timeout_s = timeout_s
+        self.on_overrun = on_overrun
+        self._cond = threading.Condition()
+        self._phase: tuple[str, float, float] = ("start", time.monotonic(), phase_budget("start", timeout_s))
+        self._done = False
+        self.overrun: Overrun | None = None
+        self.error: BaseException | None = None
+
+    def phase(self, name: str, budget_s: float | None = None) -> None:
+        """The watched work enters `name`; raises Overran if an earlier phase overran (only clean up now)."""
+        with self._cond:
+            if self.overrun is not None and name != "cleanup":
+                raise Overran(self.overrun.describe())
+            budget = phase_budget(name, self.timeout_s) if budget_s is None else budget_s
+            self._phase = (name, time.monotonic(), budget)
+            self._cond.notify_all()
+
+    @property
+    def current(self) -> str:
+        return self._phase[0]
+
+    def run(self, body: Callable[[PhaseWatch], None]) -> Overrun | None:
+        """Run the work to its end or until a phase overruns (then `on_overrun`, and the work's
+        cleanup gets CLEANUP_GRACE_S). The work's own exception is kept in `self.error`."""
+
+        def target() -> None:
+            try:
+                body(self)
+            except Overran:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self.error = exc
+            finally:
+                with self._cond:
+                    self._done = True
+                    self._cond.notify_all()
+
+        worker = threading.Thread(target=target, name="phase-watch", daemon=True)
+        worker.start()
+        with self._cond:
+            while not self._done:
+                name, since, budget = self._phase
+                left = since + budget - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._done:
+                return self.overrun
+            self.overrun = Overrun(
+                name, budget, time.monotonic() - since, _calls_in_flight(), _stack_of(worker)
+            )
+        if self.on_overrun is not None:
+            self.on_overrun()
+        worker.join(CLEANUP_GRACE_S + 2 * self.timeout_s)
+        self.overrun.cleanup_done = not worker.is_alive()
+        return self.overrun
+
+
+def _calls_in_flight() -> str:
+    launch = sys.modules.get("harness.launch")  # not imported: no rank was ever started
+    return launch.describe_calls_in_flight(0.0, dump_stacks=True) if launch is not None else ""
+
+
+def _stack_of(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident or -1)
+    return "".join(traceback.format_stack(frame)) if frame is not None else ""
