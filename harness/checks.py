@@ -122,7 +122,9 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
     from harness.api import PartialCommitError, WeightSyncError
 
     problems = _safety(obs.after_fault, obs.versions, "after the fault")
-    if obs.detect_s > 2 * obs.timeout_s:
+    # a push that fails must say so within 2x the timeout; one that rides the fault out (a rank that
+    # stalled in start is replaced, then the push goes on) is bounded by the cell's phase deadline
+    if obs.error is not None and obs.detect_s > 2 * obs.timeout_s:
         problems.append(f"the faulty push took {obs.detect_s:.1f}s, over 2x the {obs.timeout_s:g}s timeout")
     served = [s[0] for s in obs.after_fault if not isinstance(s, str)]
     problems += obs.fault_problems

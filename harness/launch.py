@@ -317,6 +317,17 @@ def kill_live_ranks(grace_s: float = 0.0) -> None:
             r.process.kill()
 
 
+def kill_ranks_in_flight(grace_s: float = 0.0) -> None:
+    """Kill the live ranks of this process that have a call in flight, `grace_s` after the first call
+    (a test past its deadline: they finish their stack dumps; idle ranks of other deployments live on)."""
+    ranks = [r for r in list(_LIVE_RANKS) if r.process.is_alive() and r._in_flight is not None]
+    if ranks and grace_s > 0:
+        time.sleep(grace_s)
+    for r in ranks:
+        with contextlib.suppress(Exception):
+            r.process.kill()
+
+
 class RankProcess:
     """A supervised rank: call(op, ...) returns its result or raises what the rank raised."""
 
@@ -507,6 +518,8 @@ class RemoteEngine(Engine):
         self._state = threading.Lock()  # guards _active and _pump
         self._polling = FifoLock()  # serialises polls (no event pushed twice), in arrival order
         self._pump: threading.Thread | None = None
+        self._reads_open = threading.Event()  # cleared while reads are held (a client that reads late)
+        self._reads_open.set()
 
     @property
     def weight_version(self) -> int:
@@ -515,9 +528,22 @@ class RemoteEngine(Engine):
     def weight_spec(self) -> dict[str, TensorSpec]:
         return wire.spec_from_json(self.rank.call("weight_spec")) or {}
 
+    @contextlib.contextmanager
+    def reads_held(self):
+        """No event is read from the rank until the block ends: the engine goes on generating, and its
+        events are read late, as a slow client would (a stamp taken at read time shows then)."""
+        self._reads_open.clear()
+        try:
+            yield
+        finally:
+            self._reads_open.set()
+
     def _poll(self, wait: float) -> bool:
         """Fetch new events of every open request; False once none is open. Bounded by the rank's timeout
         (the wait for another poll included): RankBusy if a poll in flight holds the turn that long."""
+        if not self._reads_open.is_set():  # reads held: read nothing (the pump waits, not spins)
+            self._reads_open.wait(wait)
+            return True
         timeout = self.rank.timeout
         deadline = time.monotonic() + timeout
         if not self._polling.acquire(timeout):

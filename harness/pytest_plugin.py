@@ -163,6 +163,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "real vLLM needs more)",
     )
     group.addoption(
+        "--weightsync-test-deadline",
+        type=float,
+        default=None,
+        help="seconds a test may run before the harness stops it as a failure naming the rank calls in "
+        "flight (default: for each test of a backend, 2x its longest declared timeout plus "
+        f"{TEST_SETUP_S:g} s of setup; 0: none)",
+    )
+    group.addoption(
         "--weightsync-soak-out",
         default=None,
         help="directory for the soak reports (soak-<backend>.json; default: the test's tmp_path)",
@@ -221,6 +229,12 @@ def _selection(config: pytest.Config) -> Selection:
         )
         config.stash[_SELECTION] = sel
     return sel
+
+
+def selection_of(config: pytest.Config) -> Selection:
+    """What this run certifies: the backends, the engine, the receiver counts (for a suite's own
+    parametrization, before any fixture exists)."""
+    return _selection(config)
 
 
 def outcomes_of(config: pytest.Config) -> dict:
@@ -356,13 +370,24 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(f"{NOT_SUPPORTED}: {n} receivers > max_receivers {caps.max_receivers}")
 
 
+class DeployFailed(Exception):
+    """A deployment the backend claims it can make failed (its first attempt's error, kept)."""
+
+
+#: The test that fails, by name, when a deployment the backend claims fails; the others skip.
+DEPLOY_TEST = "suites/conformance/test_deploy.py::test_deploys_with_what_it_claims"
+
+
 class DeploymentPool:
-    """One deployment per (backend, receiver count), built on first use and shared by the session."""
+    """One deployment per (backend, receiver count), built on first use and shared by the session.
+    A deployment that fails to build is tried once: its error is kept, and every later request for
+    it raises DeployFailed at once (one test names the defect; the others need not wait for it)."""
 
     def __init__(self, sel: Selection, workdir: Path):
         self.sel = sel
         self.workdir = workdir
         self._deployments: dict[tuple[str, int], Deployment] = {}
+        self._failed: dict[tuple, str] = {}
 
     def workdir_of(
         self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None
@@ -380,12 +405,29 @@ class DeploymentPool:
         with another engine factory than the one under test)."""
         engine = engine or self.sel.engine
         key = (name, n, bucket_bytes, engine)
+        if key in self._failed:
+            raise DeployFailed(self._failed[key])
         if key not in self._deployments:
             wd = self.workdir_of(name, n, bucket_bytes, engine)
             wd.mkdir(parents=True, exist_ok=True)
             extra = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}  # only backends claiming `buckets`
-            self._deployments[key] = self.sel.backends[name].deploy(n, None, str(wd), engine=engine, **extra)
+            t0 = time.monotonic()
+            try:
+                self._deployments[key] = self.sel.backends[name].deploy(
+                    n, None, str(wd), engine=engine, **extra
+                )
+            except Exception as exc:
+                units = f" in units of {bucket_bytes} B" if bucket_bytes else ""
+                self._failed[key] = (
+                    f"{name} deploys with {n} receiver(s){units}: failed after {time.monotonic() - t0:.1f} s: "
+                    f"{type(exc).__name__}: {str(exc)[:600]}"
+                )
+                raise DeployFailed(self._failed[key]) from exc
         return self._deployments[key]
+
+    def failure(self, name: str, n: int, bucket_bytes: int | None = None) -> str | None:
+        """Why the deployment of (backend, n[, bucket size]) with the engine under test failed, if it did."""
+        return self._failed.get((name, n, bucket_bytes, self.sel.engine))
 
     def close(self) -> None:
         for d in self._deployments.values():
@@ -426,9 +468,17 @@ def weightsync_deployment_pool(weightsync_selection: Selection):
 @pytest.fixture
 def weightsync_deployment(weightsync_deployment_pool: DeploymentPool, ws_target) -> Deployment:
     """A deployment of the backend under test with fresh engines at version 0."""
-    dep = weightsync_deployment_pool.get(*ws_target)
+    dep = _deployed(weightsync_deployment_pool, *ws_target)
     dep.reset(None)
     return dep
+
+
+def _deployed(pool: DeploymentPool, name: str, n: int, **kw) -> Deployment:
+    """pool.get, a failed deployment skipped as NOT_SUPPORTED-because-broken (DEPLOY_TEST fails it)."""
+    try:
+        return pool.get(name, n, **kw)
+    except DeployFailed as exc:
+        pytest.skip(f"{NOT_SUPPORTED}: broken: {exc} (the failure is reported by {DEPLOY_TEST})")
 
 
 @pytest.fixture
@@ -441,7 +491,7 @@ def weightsync_deployment_with_buckets(
         pytest.skip(f"{NOT_SUPPORTED}: backend {ws_target[0]!r} does not claim ['buckets']")
 
     def make(bucket_bytes: int) -> Deployment:
-        dep = weightsync_deployment_pool.get(*ws_target, bucket_bytes=bucket_bytes)
+        dep = _deployed(weightsync_deployment_pool, *ws_target, bucket_bytes=bucket_bytes)
         dep.reset(None)
         return dep
 
@@ -454,7 +504,7 @@ def weightsync_tied_deployment(
 ) -> Deployment:
     """A deployment of the backend under test into engines serving a model with tied input/output
     embeddings (--weightsync-tied-engine), fresh at version 0."""
-    dep = weightsync_deployment_pool.get(*ws_target, engine=weightsync_selection.tied_engine)
+    dep = _deployed(weightsync_deployment_pool, *ws_target, engine=weightsync_selection.tied_engine)
     dep.reset(None)
     config = dep.handles[0].engine.model_config() or {}
     if not config.get("tie_word_embeddings"):
@@ -546,6 +596,57 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):
     yield
     item.config.stash[_RUNNING] = None
     _write_results(item.config)
+
+
+#: What a test may spend beyond twice its backend's longest declared timeout: deployments, many syncs.
+TEST_SETUP_S = 120.0
+
+
+class DeadlineExceeded(Exception):
+    """A test ran past the deadline the harness gave it (raised in the test's own thread)."""
+
+
+def _test_deadline(item: pytest.Item) -> float | None:
+    """The test's deadline: --weightsync-test-deadline where given, else for a test of a backend (it
+    has a ws_target) 2x the timeout the backend is given (timeout_s) plus TEST_SETUP_S; None: no
+    deadline. A wait it declares longer than that does not lengthen the deadline: that declaration
+    fails on its own (test_supervision's declared-timeouts test, the fault cells' bounded verdict)."""
+    given = item.config.getoption("--weightsync-test-deadline", default=None)
+    if given is not None:
+        return given or None
+    target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
+    if not target:
+        return None
+    from harness.api import DEFAULT_TIMEOUT_S
+
+    backend = _selection(item.config).backends[target[0]]
+    return 2 * float(getattr(backend, "timeout_s", None) or DEFAULT_TIMEOUT_S) + TEST_SETUP_S
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """The test's deadline, enforced with SIGALRM in its own thread: a wait on a rank, a lock or a
+    socket is interrupted, the rank calls in flight are named (their stacks dumped to their logs) and
+    the ranks that hold them killed, so the run goes on to the next test with a verdict for this one."""
+    deadline = _test_deadline(item)
+    if not deadline or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame) -> None:
+        calls = _rank_calls_in_flight(timed_out=True) or "no rank call in flight"
+        launch = sys.modules.get("harness.launch")
+        if launch is not None:
+            launch.kill_ranks_in_flight(grace_s=0.5)  # after their stack dumps
+        raise DeadlineExceeded(f"{item.nodeid} ran past its {deadline:g} s deadline; {calls}")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, deadline)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 #: A failed test names the rank calls in flight for at least this long (any, after a timeout)

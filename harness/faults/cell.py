@@ -35,6 +35,11 @@ from harness.registry import engine_path
 
 #: Extra tensors every cell pushes beside the model: 8 MiB in 8 tensors, several buckets on every path.
 CELL_SPEC = {f"fault.payload.{i}": TensorSpec((256, 1024), torch.float32) for i in range(8)}
+#: (backend, receivers, engine) -> why its deployment failed, in this process: tried once per run.
+_FAILED_DEPLOYS: dict[tuple[str, int, str | None], str] = {}
+#: The unit a cell's data plane moves in where the backend takes one: the payload spans several, so
+#: a fault can land between two.
+CELL_BUCKET_BYTES = 1 << 20
 DEFAULT_CELL_TIMEOUT_S = 4.0  # a stall is detected at 1.5x (6 s), the bound is 2x: room for a loaded CI host
 N_RECEIVERS = 2
 
@@ -114,8 +119,9 @@ def deploy_for_faults(
     os.environ[fault_engines.INNER_ENGINE_ENV] = engine_path(engine)
     spec = CELL_SPEC if caps.arbitrary_tensors else None
     n = min(n_receivers, caps.max_receivers)
+    units = {"bucket_bytes": CELL_BUCKET_BYTES} if caps.buckets else {}  # a fault between two units
     return with_timeout(backend, timeout_s).deploy(
-        n, spec, str(workdir), engine="harness.faults.engines:make_engine"
+        n, spec, str(workdir), engine="harness.faults.engines:make_engine", **units
     )
 
 
@@ -200,8 +206,10 @@ def run_cell(
     engine: str | None = None,
     timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
     caps: Capabilities | None = None,
+    point: str | None = None,
 ) -> CellResult:
-    """Run one cell and judge it. Never raises for the system's faults: they are the verdict. Each phase
+    """Run one cell and judge it, the fault struck at the named `point` (one of its Fault.points();
+    None or 'seeded': drawn from the seed). Never raises for the system's faults: they are the verdict. Each phase
     (deploy, clean push, inject, push, heal, recovery, cleanup) runs under a deadline of its own
     (harness.deadline): a backend that blocks past it fails the cell, and the cell still ends."""
     caps = caps or backend.capabilities
@@ -211,7 +219,7 @@ def run_cell(
         and os.environ.get(PRIVATE_SHM_ENV) != "1"
         and os.geteuid() == 0
     ):
-        return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s)
+        return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s, point)
     fault = FAULTS[fault_kind]()
     result = CellResult(backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s)
     reason = fault.applies_to(caps)
@@ -228,15 +236,27 @@ def run_cell(
         return result
     segments_before = own_segments()  # the trainer's segments that are not this cell's (e.g. a suite's pool)
     seen: dict[int, RankInfo] = {}
-    ctx = FaultContext(None, workdir, random.Random(seed))  # type: ignore[arg-type] - deployed below
+    ctx = FaultContext(None, workdir, random.Random(seed), point=point)  # type: ignore[arg-type] - deployed below
     held: dict[str, object] = {}
+
+    n = min(N_RECEIVERS, caps.max_receivers)
+    broken = _FAILED_DEPLOYS.get((backend_name, n, engine))
+    if broken:  # the first cell that tried failed, by name: the others need not wait for it again
+        result.verdict, result.reasons = "not_applicable", [f"broken: {broken}"]
+        return result
 
     def body(watch: PhaseWatch) -> None:
         watch.phase("deploy")
+        t0 = time.monotonic()
         try:
             dep = deploy_for_faults(backend, workdir, engine, timeout_s, caps)
-        except Exception as exc:  # noqa: BLE001 - a cell that cannot start is unknown, never ok
-            result.reasons = [f"deploy failed: {type(exc).__name__}: {exc}"]
+        except Exception as exc:  # noqa: BLE001 - a claimed deployment that fails is a failure, once
+            why = (
+                f"{backend_name} deploys with {n} receiver(s) for fault injection: failed after "
+                f"{time.monotonic() - t0:.1f} s: {type(exc).__name__}: {str(exc)[:600]}"
+            )
+            _FAILED_DEPLOYS[(backend_name, n, engine)] = why
+            result.verdict, result.reasons = "fail", [why]
             return
         held["dep"] = ctx.deployment = dep
         try:
@@ -338,7 +358,13 @@ PRIVATE_SHM_BYTES = 64 << 20
 
 
 def run_cell_in_private_shm(
-    backend_name: str, fault_kind: str, seed: int, workdir: Path, engine: str | None, timeout_s: float
+    backend_name: str,
+    fault_kind: str,
+    seed: int,
+    workdir: Path,
+    engine: str | None,
+    timeout_s: float,
+    point: str | None = None,
 ) -> CellResult:
     """The cell in a child process with a mount namespace of its own, whose /dev/shm is a fresh
     64 MiB tmpfs: the fault may fill it without touching the host's shared memory."""
@@ -372,6 +398,8 @@ def run_cell_in_private_shm(
     ]
     if engine:
         argv += ["--engine", engine]
+    if point:
+        argv += ["--point", point]
     try:
         done = subprocess.run(
             argv,
@@ -412,12 +440,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default=None)
     p.add_argument("--timeout", type=float, default=DEFAULT_CELL_TIMEOUT_S)
     p.add_argument("--json", required=True)
+    p.add_argument("--point", default=None, help="a named fault point (Fault.points()); default: seeded")
     a = p.parse_args(argv)
     from harness.registry import engine_capabilities
 
     backend = resolve_backend(a.backend)
     caps = backend.capabilities.restricted_by(engine_capabilities(a.engine))
-    result = run_cell(backend, a.backend, a.fault, a.seed, Path(a.workdir), a.engine, a.timeout, caps)
+    result = run_cell(
+        backend, a.backend, a.fault, a.seed, Path(a.workdir), a.engine, a.timeout, caps, a.point
+    )
     Path(a.json).write_text(json.dumps(result.to_json()))
     print(f"{a.backend} x {a.fault} (seed {a.seed}): {result.verdict} {result.reasons}")
     return 0

@@ -25,6 +25,7 @@ import torch
 from harness.api import Capabilities, Deployment, Receiver
 
 COMMIT_FAIL_DIR_ENV = "WEIGHTSYNC_FAULT_DIR"  # where harness.faults.engines looks for its triggers
+SEEDED = "seeded"  # the point a seed draws (receiver, call, delay, byte)
 
 
 @dataclasses.dataclass
@@ -35,6 +36,8 @@ class FaultContext:
     workdir: Path
     rng: random.Random
     victim: int = 0  # the receiver index a receiver fault strikes
+    #: the named point to strike (one of Fault.points()); None: drawn from `rng`
+    point: str | None = None
     log: list[str] = dataclasses.field(default_factory=list)  # what was done, when (for the report)
     timers: list[threading.Timer] = dataclasses.field(default_factory=list)
 
@@ -58,6 +61,12 @@ class Fault(abc.ABC):
 
     def applies(self, backend: str, caps: Capabilities, deployment: Deployment) -> str | None:
         return None
+
+    def points(self, caps: Capabilities) -> tuple[str, ...]:
+        """The named points where this fault's effect changes (which party, which phase of the
+        lifecycle, before / between / after the data plane's units): the default tier runs each once,
+        deterministically; a seed draws a point of its own ('seeded')."""
+        return (SEEDED,)
 
     def applies_to(self, caps: Capabilities) -> str | None:
         """What the claimed capabilities alone rule out, before anything is deployed (None: may apply)."""
@@ -90,13 +99,20 @@ class Fault(abc.ABC):
 # ------------------------------------------------------------------------------------------ triggers
 class _CallTrigger(Receiver):
     """Wraps the victim's receiver for one push: when `call` starts, `action` runs after `delay_s`
-    on a timer thread while the call proceeds (so a kill lands mid-transfer)."""
+    on a timer thread while the call proceeds (so a kill lands mid-transfer); with `delay_s` None it
+    runs first, before the call is forwarded (a rank gone before the call reaches it)."""
 
-    def __init__(self, inner: Receiver, call: str, delay_s: float, action, ctx: FaultContext):
+    def __init__(self, inner: Receiver, call: str, delay_s: float | None, action, ctx: FaultContext):
         self.inner, self.call, self.delay_s, self.action, self.ctx = inner, call, delay_s, action, ctx
+        self.fired = False
 
     def _maybe_fire(self, name: str) -> None:
-        if name == self.call and not self.ctx.timers:
+        if name != self.call or self.fired:
+            return
+        self.fired = True
+        if self.delay_s is None:
+            self.action()
+        else:
             timer = threading.Timer(self.delay_s, self.action)
             timer.daemon = True
             self.ctx.timers.append(timer)
@@ -125,20 +141,46 @@ class _CallTrigger(Receiver):
 
 
 class _ProcessFault(Fault):
-    """A signal to the victim receiver's rank at a point in one lifecycle call."""
+    """A signal to the victim receiver's rank at a point of the push: in start, before its first unit
+    moves, between two units (a tap on the sender's data plane), after the last (before finish), or
+    during finish. Named points strike the last receiver: when it fails in finish the others have
+    committed. A seeded point draws the receiver, the call and a delay into it."""
 
     names_victim = True
     calls = ("update_weights", "finish_weight_update")
+    #: named point -> (call whose start strikes, delay into it: None strikes before the call is forwarded)
+    CALL_POINTS = {
+        "in-start": ("start_weight_update", None),
+        "before-transfer": ("update_weights", None),
+        "before-finish": ("finish_weight_update", None),
+        "during-finish": ("finish_weight_update", 0.0),
+    }
+    UNIT_POINT = "between-units"  # the sender reaches its second unit: the first has moved
 
     def applies(self, backend, caps, deployment):
         if not deployment.processes():
             return "the backend exposes no rank processes (Deployment.processes() is empty)"
         return None
 
+    #: the named points this fault strikes at (a stall at each of these shows what a kill would not)
+    NAMED = ("in-start", "before-transfer", "between-units", "before-finish", "during-finish")
+
+    def points(self, caps):
+        return tuple(p for p in self.NAMED if p != self.UNIT_POINT or caps.interposable)
+
     def arm(self, ctx, tensors):
-        ctx.victim = ctx.rng.randrange(len(ctx.deployment.handles))
-        self.call = ctx.rng.choice(self.calls)
-        self.delay_s = round(ctx.rng.uniform(0.0, 0.05), 4) if self.call == "update_weights" else 0.0
+        self.struck, self.point = False, ctx.point
+        if ctx.point is None or ctx.point == SEEDED:
+            ctx.victim = ctx.rng.randrange(len(ctx.deployment.handles))
+            self.call = ctx.rng.choice(self.calls)
+            self.delay_s = round(ctx.rng.uniform(0.0, 0.05), 4) if self.call == "update_weights" else 0.0
+        else:
+            ctx.victim = len(ctx.deployment.handles) - 1
+            if ctx.point == self.UNIT_POINT:
+                self.call, self.delay_s = None, None
+                ctx.deployment.sender.tap = lambda unit, data, where: self._on_unit(ctx, unit)
+                return tensors
+            self.call, self.delay_s = self.CALL_POINTS[ctx.point]
         handle = ctx.deployment.handles[ctx.victim]
         self._handle, self._inner = handle, handle.receiver
         handle.receiver = _CallTrigger(
@@ -146,14 +188,25 @@ class _ProcessFault(Fault):
         )
         return tensors
 
+    def _on_unit(self, ctx, unit: int) -> None:
+        if unit >= 1 and not self.struck:
+            self._strike(ctx)
+
     def disarm(self, ctx):
         if getattr(self, "_handle", None) is not None and self._handle.receiver.__class__ is _CallTrigger:
             self._handle.receiver = self._inner
+        if self.call is None:
+            ctx.deployment.sender.tap = None
+
+    def heal(self, ctx):
+        if not self.struck:  # the point was never reached: the cell tested nothing
+            raise RuntimeError(f"{self.describe(ctx)}: the push never reached that point")
 
     def pid(self, ctx) -> int:
         return ctx.deployment.processes()[ctx.victim].pid
 
     def _strike(self, ctx) -> None:
+        self.struck = True
         try:
             self.strike(ctx)
         except ProcessLookupError:
@@ -163,6 +216,8 @@ class _ProcessFault(Fault):
     def strike(self, ctx: FaultContext) -> None: ...
 
     def describe(self, ctx):
+        if self.point not in (None, SEEDED):
+            return f"{self.kind} receiver {ctx.victim} {self.point}"
         return f"{self.kind} receiver {ctx.victim} {getattr(self, 'delay_s', 0):g}s into {getattr(self, 'call', '?')}"
 
 
@@ -181,6 +236,9 @@ class ReceiverStall(_ProcessFault):
     """SIGSTOP a receiver rank past the timeout (a frozen host), SIGCONT at heal."""
 
     kind = "receiver-stall"
+    # each stall cell waits out a timeout: the points where waiting differs (a call that never answers,
+    # a collective half done, a commit half done); the others are a kill's
+    NAMED = ("in-start", "between-units", "during-finish")
 
     def strike(self, ctx):
         self._stopped = self.pid(ctx)
@@ -194,6 +252,7 @@ class ReceiverStall(_ProcessFault):
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:  # the supervisor already killed it: what it should do
                 pass
+        super().heal(ctx)
 
 
 class RaisingTensors(Mapping):
@@ -217,12 +276,26 @@ class RaisingTensors(Mapping):
         return len(self._tensors)
 
 
+#: Named points of a trainer that fails while reading its n tensors (read k of about 2n: the
+#: manifest reads each once, the transfer once more): before anything moved, halfway through the
+#: transfer (the manifest is out, some bytes are), at the last read.
+READ_POINTS = {
+    "first-read": lambda n: 1,
+    "mid-move": lambda n: n + max(n // 2, 1),
+    "last-read": lambda n: 2 * n,
+}
+
+
 class TrainerRaise(Fault):
     kind = "trainer-raise"
 
+    def points(self, caps):
+        return tuple(READ_POINTS)
+
     def arm(self, ctx, tensors):
         # a sender reads each tensor once for the manifest and once more to move it
-        self.fail_at = ctx.rng.randint(1, 2 * len(tensors))
+        n = len(tensors)
+        self.fail_at = READ_POINTS[ctx.point](n) if ctx.point in READ_POINTS else ctx.rng.randint(1, 2 * n)
         return RaisingTensors(tensors, self.fail_at, ctx)
 
     def describe(self, ctx):
@@ -334,9 +407,14 @@ class CommitFail(Fault):
             return "needs two engines"
         return None
 
+    def points(self, caps):
+        return ("last-engine", "first-engine")
+
     def arm(self, ctx, tensors):
-        # the last engine to finish fails, so the others have committed: the divergence case
-        ctx.victim = len(ctx.deployment.handles) - 1 if ctx.rng.random() < 0.75 else 0
+        # the last engine to finish fails, so the others have committed: the divergence case; the
+        # first: nothing committed anywhere
+        last = {"last-engine": True, "first-engine": False}.get(ctx.point or "", ctx.rng.random() < 0.75)
+        ctx.victim = len(ctx.deployment.handles) - 1 if last else 0
         self.trigger = (
             Path(os.environ[COMMIT_FAIL_DIR_ENV])
             / f"commit-fail-{ctx.deployment.processes()[ctx.victim].pid}"
@@ -435,13 +513,17 @@ class _WireFault(Fault):
             )
         return None
 
+    def points(self, caps):
+        return tuple(r.decode().lstrip("/") for r in self.routes)
+
     def arm(self, ctx, tensors):
         from urllib.parse import urlsplit
 
         from harness.faults.relay import TcpRelay
 
         ctx.victim = ctx.rng.randrange(len(ctx.deployment.handles))
-        self.route = ctx.rng.choice(self.routes)
+        named = [r for r in self.routes if r.decode().lstrip("/") == ctx.point]
+        self.route = named[0] if named else ctx.rng.choice(self.routes)
         fraction = round(ctx.rng.random(), 3)
         self.client = ctx.deployment.handles[ctx.victim].receiver.client
         self.replays_before = self.client.stats().get("idempotent_replays", 0)

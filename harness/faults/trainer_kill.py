@@ -28,6 +28,7 @@ import torch
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
 from harness.faults.cell import CELL_SPEC, N_RECEIVERS, CellResult, cell_versions, with_timeout
+from harness.faults.injectors import READ_POINTS
 from harness.paths.ipc import own_segments
 from harness.registry import engine_capabilities, resolve_backend
 
@@ -70,12 +71,14 @@ def trainer_main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default=None)
     p.add_argument("--timeout", type=float, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--point", default=None)
     a = p.parse_args(argv)
     dep = _deploy(a.backend, Path(a.workdir), a.engine, a.timeout)
     model = dep.handles[0].engine.weight_spec()
     versions = cell_versions(model, a.seed, 2)
     push(dep, 1, versions[1])
-    kill_at = random.Random(a.seed).randint(1, 2 * len(model))  # a sender reads each tensor about twice
+    n = len(model)  # a sender reads each tensor about twice: for the manifest, then to move it
+    kill_at = READ_POINTS[a.point](n) if a.point in READ_POINTS else random.Random(a.seed).randint(1, 2 * n)
     print(
         json.dumps({"trainer": os.getpid(), "ranks": [r.pid for r in dep.processes()], "kill_at": kill_at}),
         flush=True,
@@ -103,8 +106,19 @@ def _wait_gone(pids: list[int], deadline: float) -> list[int]:
     return alive
 
 
+def points() -> tuple[str, ...]:
+    """The named reads the trainer dies at (harness.faults.injectors.READ_POINTS): before anything
+    moved, halfway through the transfer, at the last read."""
+    return tuple(READ_POINTS)
+
+
 def run_trainer_kill_cell(
-    backend_name: str, seed: int, workdir: Path, engine: str | None, timeout_s: float
+    backend_name: str,
+    seed: int,
+    workdir: Path,
+    engine: str | None,
+    timeout_s: float,
+    point: str | None = None,
 ) -> CellResult:
     result = CellResult(backend_name, KIND, seed, "unknown", [], timeout_s=timeout_s)
     argv = [
@@ -122,6 +136,8 @@ def run_trainer_kill_cell(
     ]
     if engine:
         argv += ["--engine", engine]
+    if point in READ_POINTS:
+        argv += ["--point", point]
     out, err = workdir / "trainer.out", workdir / "trainer.err"
     with (
         open(out, "w") as fo,
@@ -138,7 +154,8 @@ def run_trainer_kill_cell(
         ]
         return result
     trainer, ranks = lines[0]["trainer"], lines[0]["ranks"]
-    result.point = f"trainer SIGKILLed at tensor read {lines[0]['kill_at']} of version 2"
+    named = f" ({point})" if point in READ_POINTS else ""
+    result.point = f"trainer SIGKILLed at tensor read {lines[0]['kill_at']}{named} of version 2"
     result.log = [f"trainer pid {trainer} killed; ranks {ranks}"]
     problems = []
     survivors = _wait_gone(ranks, died_at + 2 * timeout_s)

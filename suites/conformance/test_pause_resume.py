@@ -7,6 +7,7 @@ Nothing is lost: every request sent ends completed or aborted.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -89,6 +90,30 @@ def test_keep_freezes_and_continues_on_the_new_version(weightsync_deployment, we
         assert first_new == at_pause < max_tokens, (
             f"{c.request_id}: {first_new} tokens on version 0, {at_pause} produced before pause (of {max_tokens})"
         )
+
+
+def test_token_stamps_are_the_generating_version_when_read_late(weightsync_deployment):
+    """A client that reads its stream only after the next version committed still sees each token
+    stamped with the version that generated it: the stamp is taken when the token is made, not when
+    it is read. Version 0 made every token of the first request (it ran to its end under pause(wait)
+    before the push), version 1 every token of the second; none was read before the commit."""
+    engine = weightsync_deployment.handles[0].engine
+    before = engine.submit(pause_request(LONG))
+    assert before.wait_for_tokens(1, timeout=60), "the first request produced no token"
+    held = getattr(engine, "reads_held", contextlib.nullcontext)  # an in-process stream is read here, late
+    with held():
+        engine.pause("wait")  # the first request runs to its end on version 0; nothing more of it is read
+        _new_version(weightsync_deployment, 1)
+        engine.resume()
+        after = engine.submit(pause_request(8))
+    first, second = before.result(timeout=60), after.result(timeout=60)
+    assert first.finish_reason == "length" and first.token_versions == [0] * LONG, (
+        f"{first.request_id}: made on version 0 and read after version 1 committed, its tokens are "
+        f"stamped {first.token_versions} ({first.finish_reason!r}): the stamp is taken when read"
+    )
+    assert second.token_versions == [1] * len(second.token_ids) and second.token_ids, (
+        f"{second.request_id}: made on version 1, stamped {second.token_versions}"
+    )
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])

@@ -14,6 +14,7 @@ import pytest
 
 from fixtures.payloads import random_like_spec
 from harness.api import RankFailure
+from harness.deadline import declared_timeouts, over_bound
 from harness.deployment import push
 from harness.faults.cell import with_timeout
 
@@ -64,7 +65,9 @@ def test_hung_rank_is_killed_with_its_stacks_dumped(weightsync_backend, weightsy
     ) as dep:
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:
-            push(dep, 1, _weights(dep.handles[0].engine.weight_spec(), 1))  # finish hangs in commit_weights on every rank
+            push(
+                dep, 1, _weights(dep.handles[0].engine.weight_spec(), 1)
+            )  # finish hangs in commit_weights on every rank
         elapsed = time.monotonic() - t0
         assert elapsed < 2 * TIMEOUT_S, f"the hang surfaced after {elapsed:.1f}s with a {TIMEOUT_S}s timeout"
         message = str(info.value)
@@ -74,3 +77,13 @@ def test_hung_rank_is_killed_with_its_stacks_dumped(weightsync_backend, weightsy
         assert "commit_weights" in log and "Thread" in log, (
             f"no stack dump in {first.log_path}:\n{log[-2000:]}"
         )
+
+
+def test_declared_timeouts_follow_the_timeout_it_is_given(weightsync_backend):
+    """Every wait the backend declares (Backend.timeouts(), else timeout_s) follows the timeout it is
+    given: one left at a library default (NCCL's 30 minutes) would hold a stalled sync that long."""
+    over = over_bound(with_timeout(weightsync_backend, TIMEOUT_S), TIMEOUT_S)
+    assert not over, (
+        f"{weightsync_backend.name} given timeout_s={TIMEOUT_S:g} still declares {over} "
+        f"(all it declares: {declared_timeouts(with_timeout(weightsync_backend, TIMEOUT_S))})"
+    )

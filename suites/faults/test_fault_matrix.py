@@ -25,10 +25,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from harness.faults.cell import run_cell
-from harness.faults.injectors import FAULTS
+from harness.faults.injectors import FAULTS, SEEDED
 from harness.faults.trainer_kill import KIND as TRAINER_KILL
+from harness.faults.trainer_kill import points as trainer_kill_points
 from harness.faults.trainer_kill import run_trainer_kill_cell
-from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN, outcomes_of
+from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN, outcomes_of, selection_of
 from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.faults]
@@ -69,26 +70,44 @@ def _kinds(config, backend: str) -> list[str]:
     return [k for k in [*FAULTS, TRAINER_KILL] if not implicit or k in CONTROL_PLANE_KINDS]
 
 
+def _points(config, backend: str, kind: str) -> tuple[str, ...]:
+    """The fault's named points for this backend's claimed capabilities (harness.faults.injectors)."""
+    if kind == TRAINER_KILL:
+        return trainer_kill_points()
+    sel = selection_of(config)
+    caps = (
+        sel.capabilities(backend)
+        if backend in sel.backends
+        else resolve_backend(backend).capabilities.restricted_by(sel.engine_caps)
+    )
+    return FAULTS[kind]().points(caps)
+
+
 def pytest_generate_tests(metafunc):
+    """Every fault at every named point of it, deterministically (the seed then only picks bytes);
+    --weightsync-fault-seeds=N adds N cells per fault whose point the seed draws."""
     config = metafunc.config
     if "fault_cell" in metafunc.fixturenames:
         fixed = config.getoption("--weightsync-fault-seed")
-        n_seeds = config.getoption("--weightsync-fault-seeds") or 1
+        n_seeds = config.getoption("--weightsync-fault-seeds") or 0
         cells = []
         for backend in _backends(config):
             for kind in _kinds(config, backend):
                 base = zlib.crc32(f"{backend}/{kind}".encode()) % 100_000
-                seeds = [fixed] if fixed is not None else [base + i for i in range(n_seeds)]
-                cells += [(backend, kind, seed) for seed in seeds]
-        metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-s{s}" for b, k, s in cells])
+                seed = fixed if fixed is not None else base
+                cells += [(backend, kind, point, seed) for point in _points(config, backend, kind)]
+                if fixed is not None and n_seeds == 0:
+                    n_seeds = 1  # a rerun by seed: that seed's own point too
+                cells += [(backend, kind, SEEDED, seed + i) for i in range(n_seeds)]
+        metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-{p}-s{s}" for b, k, p, s in cells])
     if "drawn_cell" in metafunc.fixturenames:
         cells = [(b, k) for b in _backends(config) for k in _kinds(config, b)]
         metafunc.parametrize("drawn_cell", cells, ids=[f"{b}-{k}" for b, k in cells])
 
 
 def test_fault_cell(fault_cell, weightsync_selection, tmp_path, request):
-    backend_name, kind, seed = fault_cell
-    _run_and_judge(backend_name, kind, seed, weightsync_selection, tmp_path, request)
+    backend_name, kind, point, seed = fault_cell
+    _run_and_judge(backend_name, kind, seed, weightsync_selection, tmp_path, request, point)
 
 
 def test_fault_cell_drawn(drawn_cell, weightsync_selection, tmp_path, request):
@@ -116,11 +135,11 @@ def config_draws(config) -> int:
     return config.getoption("--weightsync-fault-seeds") or THOROUGH_DRAWS
 
 
-def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request):
+def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request, point=SEEDED):
     backend = selection.backends.get(backend_name) or resolve_backend(backend_name)
     timeout_s = request.config.getoption("--weightsync-fault-timeout")
     if kind == TRAINER_KILL:  # the trainer itself dies: it runs in a child process
-        result = run_trainer_kill_cell(backend_name, seed, tmp_path, selection.engine, timeout_s)
+        result = run_trainer_kill_cell(backend_name, seed, tmp_path, selection.engine, timeout_s, point)
     else:
         result = run_cell(
             backend,
@@ -131,6 +150,7 @@ def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request):
             engine=selection.engine,
             timeout_s=timeout_s,
             caps=backend.capabilities.restricted_by(selection.engine_caps),
+            point=point,
         )
     outcome = outcomes_of(request.config).setdefault(request.node.nodeid, {})
     if (
@@ -138,7 +158,7 @@ def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request):
     ):  # of several draws the report keeps the worst
         outcome["fault_cell"] = result.to_json()
     rerun = (
-        f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}' "
+        f"pytest 'suites/faults/test_fault_matrix.py' -k '{backend_name}-{kind}-{point}' "
         f"--weightsync-backend={backend_name} --weightsync-fault-seed={seed}"
     )
     if result.verdict == "not_applicable":  # the same for every seed: hypothesis stops here too

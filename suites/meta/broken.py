@@ -3,10 +3,13 @@ If one of these ever passes, a check has gone soft."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import safetensors.torch
 import torch
 
+from harness.api import RequestStream
 from harness.backends.broadcast import BroadcastBackend
 from harness.backends.control import ControlBackend, ControlDeployment
 from harness.backends.delta import DeltaBackend
@@ -16,6 +19,7 @@ from harness.engines import tiny_lm
 from harness.engines.reference import ReferenceEngine
 from harness.engines.tiny_lm import ModelConfig
 from harness.paths import delta_codec
+from harness.paths import disk as disk_path
 from harness.paths.broadcast import BroadcastSender
 from harness.paths.delta import DeltaSender
 from harness.paths.disk import DiskSender
@@ -439,3 +443,77 @@ def make_declared_half_hour_backend():
 
 def make_undeclared_half_hour_backend():
     return UndeclaredHalfHourBackend()
+
+
+class _ReadStampedStream(RequestStream):
+    """Stamps each event with the engine's version when it is read, not when it was made."""
+
+    def events_after(self, index, timeout):
+        now = self._engine.weight_version
+        return [dataclasses.replace(e, weight_version=now) for e in super().events_after(index, timeout)]
+
+
+class ReadStampingEngine(ReferenceEngine):
+    """Tokens stamped with the version the engine holds when a client reads them (a server that stamps
+    responses as it sends them): right while reads keep up, wrong for a client that reads late."""
+
+    def submit(self, request):
+        stream = super().submit(request)
+        stream.__class__, stream._engine = _ReadStampedStream, self
+        return stream
+
+
+def make_read_stamping_engine(spec=None, device=None):
+    return ReadStampingEngine(extra=spec, device=device)
+
+
+class OneReceiverOnlyBackend(IpcBackend):
+    """Claims several receivers; deploys one, and fails with two (a port both ranks bind)."""
+
+    name = "broken-one-receiver-only"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        if n_receivers > 1:
+            raise OSError(98, "Address already in use: the second rank binds the first one's port")
+        return super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+
+
+def make_one_receiver_only_backend():
+    return OneReceiverOnlyBackend()
+
+
+def _publish_first_write_checkpoint(root, manifest, named_tensors, attempt=0, tap=None):
+    """Writes the manifest first, into the final directory, then the shards: no temporary directory,
+    no rename. A writer killed part-way leaves a version that looks published and is not whole."""
+    final = disk_path.version_dir(root, manifest.version, attempt)
+    final.mkdir(parents=True)
+    (final / disk_path.MANIFEST_FILE).write_text(manifest.dumps())
+    for bucket in range(len(manifest.bucket_sizes)):
+        shard = {
+            e.name: named_tensors[e.name].detach().contiguous().clone()
+            for e in manifest.bucket_entries(bucket)
+        }
+        safetensors.torch.save_file(shard, str(final / disk_path.shard_name(bucket)))
+    return final
+
+
+class _PublishFirstSender(DiskSender):
+    def prepare(self, version, named_tensors):
+        real, disk_path.write_checkpoint = disk_path.write_checkpoint, _publish_first_write_checkpoint
+        try:
+            return super().prepare(version, named_tensors)
+        finally:
+            disk_path.write_checkpoint = real
+
+
+class PublishFirstDiskBackend(DiskBackend):
+    name = "broken-publish-first"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        dep.sender.__class__ = _PublishFirstSender
+        return dep
+
+
+def make_publish_first_disk_backend():
+    return PublishFirstDiskBackend()

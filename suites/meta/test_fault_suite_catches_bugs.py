@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -46,6 +48,43 @@ def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(py
     )
     assert result.parseoutcomes().get("failed", 0) == 2, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*a fault the client must ride out*"])
+
+
+def test_fault_suite_fails_a_delta_that_keeps_its_base_after_a_split(pytester):
+    # consecutive versions make v2 and v3 patches; after one engine committed v2 and one did not, a
+    # patch against v1 is refused by the engine at v2: only a full sync converges them
+    result = _run(pytester, "make_base_keeping_delta_backend", "commit-fail-last-engine")
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*no recovery*patch made against version 1, engine holds version 2*"])
+
+
+def test_fault_suite_fails_a_writer_that_publishes_before_the_last_shard(pytester):
+    # the named points kill the trainer at fixed reads; one lands while the shards are written
+    result = _run(pytester, "make_publish_first_disk_backend", "trainer-kill")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*trainer-kill-mid-move*", "*a partial version 2 is visible*"])
+
+
+def test_fault_suite_fails_a_declared_half_hour_timeout_before_anything_runs(pytester):
+    t0 = time.monotonic()
+    result = _run(pytester, "make_declared_half_hour_backend", "fault_cell and receiver-stall")
+    elapsed = time.monotonic() - t0
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 4 and not outcomes.get("passed"), result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*bounded: the backend declares rank rpc = 1800 s*"])
+    assert elapsed < 60, f"failing by declaration took {elapsed:.0f} s: something ran"
+
+
+def test_fault_suite_bounds_an_undeclared_half_hour_wait_by_its_own_deadline(pytester):
+    t0 = time.monotonic()
+    result = _run(pytester, "make_undeclared_half_hour_backend", "receiver-stall-during-finish")
+    elapsed = time.monotonic() - t0
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(
+        ["*phase 'push' overran its * s budget*rank * in 'finish_weight_update'*", "*cell's stack*"]
+    )
+    assert elapsed < 120, f"the overrun was caught after {elapsed:.0f} s (the backend waits 1800 s)"
 
 
 @pytest.mark.slow  # the thorough tier's own check: the default tier runs one seed per cell

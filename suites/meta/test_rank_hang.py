@@ -313,3 +313,16 @@ def test_a_timed_out_test_names_the_rank_calls_in_flight(tmp_path):
     rec = data["tests"]["test_hung.py::test_hangs"]
     assert rec["status"] == "failed" and "Timeout" in rec["message"], rec
     assert "rank calls in flight: rank 1 (pid " in rec["message"] and "in 'poll' for 9" in rec["message"], rec
+
+
+def test_a_test_past_its_deadline_fails_naming_the_calls_in_flight_and_the_run_goes_on(tmp_path):
+    proc, results, ready = _hung_run(tmp_path, "--weightsync-test-deadline=2")
+    out, _ = proc.communicate(timeout=60)
+    data = json.loads(results.read_text())
+    assert data["complete"], (data, out.decode()[-2000:])
+    rec = data["tests"]["test_hung.py::test_hangs"]
+    assert rec["status"] == "failed" and "ran past its 2 s deadline" in rec["message"], rec
+    assert "rank 1 (pid " in rec["message"] and "in 'poll' for 9" in rec["message"], rec
+    assert rec["duration_s"] < 10, f"the deadline of 2 s ended the test after {rec['duration_s']} s"
+    pid = int(ready.read_text())
+    assert process_state(pid) in ("?", "Z"), "the rank holding the call was not killed"

@@ -216,3 +216,35 @@ def test_suite_fails_a_receiver_that_stages_into_the_memory_its_engine_serves(py
     )
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-2000:]
     result.stdout.fnmatch_lines(["*after forged digest*"])
+
+
+def test_suite_fails_tokens_stamped_when_read_not_when_made(pytester):
+    # every other pause test reads its streams as they are made, and passes it
+    result = _engine_run(pytester, "suites.meta.broken:make_read_stamping_engine", "test_pause_resume")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) >= 5, result.stdout.str()[-2000:]
+    result.stdout.fnmatch_lines(
+        ["*_ test_token_stamps_are_the_generating_version_when_read_late*", "*the stamp is taken when read*"]
+    )
+
+
+def test_a_claimed_deployment_that_fails_is_one_named_failure(pytester):
+    result = _run(
+        pytester,
+        "--weightsync-backend=suites.meta.broken:make_one_receiver_only_backend",
+        "-k",
+        "deploys_with_what_it_claims or test_bitwise",
+        "-rs",
+    )
+    # it claims 2 and 3 receivers (the default counts of a multi-receiver backend): one failure each,
+    # every test that needs those deployments NOT_SUPPORTED at once, no error in any setup
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 2 and not outcomes.get("errors"), result.stdout.str()[-3000:]
+    assert outcomes.get("not_supported", 0) >= 4, outcomes
+    result.stdout.fnmatch_lines(
+        [
+            "*test_deploys_with_what_it_claims*2rx*",
+            "*deploys with 2 receiver(s)*Address already in use*",
+            "*NOT_SUPPORTED*broken:*deploys with 2 receiver(s)*",
+        ]
+    )
