@@ -156,6 +156,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run every fault cell with exactly this seed (the rerun line of a failed cell gives it)",
     )
     group.addoption(
+        "--weightsync-fault-points",
+        default="all",
+        help="which named points of each fault the matrix runs: 'all' (default), 'one' (the first of each: "
+        "a run whose cells are expensive, e.g. real vLLM ranks), or a comma-separated list of point names",
+    )
+    group.addoption(
         "--weightsync-fault-timeout",
         type=float,
         default=4.0,

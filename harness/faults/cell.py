@@ -28,7 +28,14 @@ from harness.checks import CellObservation, judge_cell
 from harness.deadline import Overran, PhaseWatch, over_bound
 from harness.deployment import push
 from harness.faults import engines as fault_engines
-from harness.faults.injectors import COMMIT_FAIL_DIR_ENV, FAULTS, PRIVATE_SHM_ENV, Fault, FaultContext
+from harness.faults.injectors import (
+    COMMIT_FAIL_DIR_ENV,
+    FAULTS,
+    PRIVATE_SHM_ENV,
+    Fault,
+    FaultContext,
+    PointNotApplicable,
+)
 from harness.paths.ipc import own_segments
 from harness.procs import pid_alive
 from harness.registry import engine_path
@@ -288,6 +295,9 @@ def run_cell(
             obs = strike(dep, fault, ctx, versions, 2, timeout_s, watch)
         except Overran:
             raise
+        except PointNotApplicable as exc:
+            result.verdict, result.reasons = "not_applicable", [str(exc)]
+            return
         except Exception as exc:  # noqa: BLE001 - the nemesis could not act: unknown
             result.reasons = [f"the fault could not be set up: {type(exc).__name__}: {exc}"]
             return

@@ -50,6 +50,10 @@ class FaultContext:
             t.join()
 
 
+class PointNotApplicable(Exception):
+    """The named point does not exist in this push (no 'between two units' where one unit moved)."""
+
+
 class Fault(abc.ABC):
     """One kind of fault. `applies` gives the reason it cannot run here (None: it can)."""
 
@@ -189,6 +193,7 @@ class _ProcessFault(Fault):
         return tensors
 
     def _on_unit(self, ctx, unit: int) -> None:
+        self.units = max(getattr(self, "units", 0), unit + 1)
         if unit >= 1 and not self.struck:
             self._strike(ctx)
 
@@ -199,6 +204,10 @@ class _ProcessFault(Fault):
             ctx.deployment.sender.tap = None
 
     def heal(self, ctx):
+        if not self.struck and self.call is None and getattr(self, "units", 0) == 1:
+            raise PointNotApplicable(
+                f"{self.describe(ctx)}: the data plane moved this version in one unit (no two to strike between)"
+            )
         if not self.struck:  # the point was never reached: the cell tested nothing
             raise RuntimeError(f"{self.describe(ctx)}: the push never reached that point")
 

@@ -73,14 +73,25 @@ def _kinds(config, backend: str) -> list[str]:
 def _points(config, backend: str, kind: str) -> tuple[str, ...]:
     """The fault's named points for this backend's claimed capabilities (harness.faults.injectors)."""
     if kind == TRAINER_KILL:
-        return trainer_kill_points()
+        return _chosen(config, trainer_kill_points())
     sel = selection_of(config)
     caps = (
         sel.capabilities(backend)
         if backend in sel.backends
         else resolve_backend(backend).capabilities.restricted_by(sel.engine_caps)
     )
-    return FAULTS[kind]().points(caps)
+    return _chosen(config, FAULTS[kind]().points(caps))
+
+
+def _chosen(config, points: tuple[str, ...]) -> tuple[str, ...]:
+    """The points --weightsync-fault-points keeps: all, the first, or those named."""
+    option = config.getoption("--weightsync-fault-points")
+    if option == "all":
+        return points
+    if option == "one":
+        return points[:1]
+    named = {p.strip() for p in option.split(",")}
+    return tuple(p for p in points if p in named)
 
 
 def pytest_generate_tests(metafunc):

@@ -24,27 +24,29 @@ def _run(pytester, backend: str, kind: str, *args):
 
 
 def test_fault_suite_fails_a_commit_that_lands_on_some_engines_only(pytester):
-    result = _run(pytester, "make_partial_commit_backend", "commit-fail")
+    result = _run(pytester, "make_partial_commit_backend", "commit-fail-last-engine")
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*reported success while engines serve versions*"])
 
 
 def test_fault_suite_fails_a_supervisor_that_never_restarts(pytester):
-    result = _run(pytester, "make_no_restart_backend", "receiver-kill")
+    result = _run(pytester, "make_no_restart_backend", "receiver-kill-before-transfer")
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*no recovery*"])
 
 
 def test_fault_suite_fails_a_timeout_that_is_not_honoured(pytester):
-    # the stall lands at a seeded point; over two seeds at least one lands inside a call
-    result = _run(pytester, "make_ignored_timeout_backend", "receiver-stall", "--weightsync-fault-seeds=2")
-    assert result.parseoutcomes().get("failed", 0) >= 1, result.stdout.str()[-3000:]
+    # the named points run deterministically: a stall during finish waits for the rank inside a call
+    result = _run(pytester, "make_ignored_timeout_backend", "receiver-stall-during-finish")
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*over 2x the 4s timeout*"])
 
 
 def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(pytester):
     result = _run(
-        pytester, "make_no_retry_control_backend", "fault_cell and (http-request-cut or http-answer-lost)"
+        pytester,
+        "make_no_retry_control_backend",
+        "fault_cell and update_weights and (http-request-cut or http-answer-lost)",
     )
     assert result.parseoutcomes().get("failed", 0) == 2, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*a fault the client must ride out*"])
@@ -71,7 +73,7 @@ def test_fault_suite_fails_a_declared_half_hour_timeout_before_anything_runs(pyt
     result = _run(pytester, "make_declared_half_hour_backend", "fault_cell and receiver-stall")
     elapsed = time.monotonic() - t0
     outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) >= 4 and not outcomes.get("passed"), result.stdout.str()[-3000:]
+    assert outcomes.get("failed", 0) >= 3 and not outcomes.get("passed"), result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*bounded: the backend declares rank rpc = 1800 s*"])
     assert elapsed < 60, f"failing by declaration took {elapsed:.0f} s: something ran"
 

@@ -1,7 +1,8 @@
 """The fault matrix (suites/faults) with real vLLM as the engine, over disk and broadcast: the cells that
 apply to a fixed model with one receiver (kill, stall, trainer raise and kill, corruption, cut, blocked
 read, full disk) run against vLLM inside rank processes; the rest report NOT_SUPPORTED with the reason.
-A restarted rank starts a new vLLM engine, so the timeout is 10 s here instead of 4."""
+A restarted rank starts a new vLLM engine, so the timeout is 10 s here instead of 4, and each fault runs
+at its first named point only (the default tier runs every point against the reference engine)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def test_fault_matrix_passes_with_vllm_as_the_engine(backend, tmp_path):
         sys.executable, "-m", "pytest", "suites/faults/test_fault_matrix.py", "-q", "-p", "no:cacheprovider",
         "-p", "no:randomly", "--weightsync-engine=vllm", f"--weightsync-backend={backend}",
         "--weightsync-fault-timeout=10", f"--weightsync-results={results}",
+        "--weightsync-fault-points=one",  # each cell starts vLLM ranks: one point per fault
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, check=False)
     assert results.exists(), (

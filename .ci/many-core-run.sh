@@ -1,0 +1,20 @@
+# The reference on a many-core host (the lent GPU machine's 16 cores, CPU paths only): the resource
+# checks count threads that pools start per core, so they must hold where torch runs 16 threads.
+#   bash .ci/many-core-run.sh conformance|faults      (logs and JUnit under $OUT)
+set -u
+export PYTEST_ADDOPTS="-p harness.pytest_plugin" PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=
+if ls .whl/*.whl >/dev/null 2>&1; then  # the control plane's wheels, where the host has none
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
+mkdir -p "$OUT"
+nproc > "$OUT/host.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "threads", torch.get_num_threads())' >> "$OUT/host.txt"
+cat "$OUT/host.txt"
+case "${1:-conformance}" in
+  conformance) marks="not slow and not vllm and not faults and not meta and not gpu"; paths=suites/conformance ;;
+  faults) marks="faults and not slow"; paths=suites/faults/test_fault_matrix.py ;;
+esac
+timeout 540 python3 -m pytest $paths -m "$marks" -q -p no:cacheprovider -rf --durations=5 \
+  --junitxml="$OUT/junit-${1:-conformance}.xml" > "$OUT/${1:-conformance}.log" 2>&1
+echo "exit $?"; tail -25 "$OUT/${1:-conformance}.log"
