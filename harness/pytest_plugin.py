@@ -646,13 +646,20 @@ def pytest_runtest_call(item: pytest.Item):
             launch.kill_ranks_in_flight(grace_s=0.5)  # after their stack dumps
         raise DeadlineExceeded(f"{item.nodeid} ran past its {deadline:g} s deadline; {calls}")
 
+    earlier, _ = signal.getitimer(signal.ITIMER_REAL)  # pytest-timeout's signal method uses it too
+    if 0 < earlier <= deadline:  # an earlier timeout already bounds the test: leave it be
+        yield
+        return
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, deadline)
+    t0 = time.monotonic()
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if earlier > 0:  # give the earlier timer back what is left of it (it bounds the teardown too)
+            signal.setitimer(signal.ITIMER_REAL, max(earlier - (time.monotonic() - t0), 0.01))
 
 
 #: A failed test names the rank calls in flight for at least this long (any, after a timeout)
