@@ -1,6 +1,6 @@
 # The reference on a many-core host (the lent GPU machine's 16 cores, CPU paths only): the resource
 # checks count threads that pools start per core, so they must hold where torch runs 16 threads.
-#   bash .ci/many-core-run.sh conformance|faults      (logs and JUnit under $OUT)
+#   bash .ci/many-core-run.sh conformance|faults [backends]     (logs and JUnit under $OUT)
 set -u
 export PYTEST_ADDOPTS="-p harness.pytest_plugin" PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=
 if ls .whl/*.whl >/dev/null 2>&1; then  # the control plane's wheels, where the host has none
@@ -15,6 +15,7 @@ case "${1:-conformance}" in
   conformance) marks="not slow and not vllm and not faults and not meta and not gpu"; paths=suites/conformance ;;
   faults) marks="faults and not slow"; paths=suites/faults/test_fault_matrix.py ;;
 esac
+[ -n "${2:-}" ] && export WEIGHTSYNC_BACKEND=$2
 timeout 540 python3 -m pytest $paths -m "$marks" -q -p no:cacheprovider -rf --durations=5 \
   --junitxml="$OUT/junit-${1:-conformance}.xml" > "$OUT/${1:-conformance}.log" 2>&1
 echo "exit $?"; tail -25 "$OUT/${1:-conformance}.log"
