@@ -12,6 +12,7 @@ at a seeded tensor read of version 2 (while the manifest is built or while bytes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from harness.checks import bitwise_mismatches
+from harness.deadline import Overran, PhaseWatch, over_bound, phase_budget
 from harness.deployment import push
 from harness.faults.cell import CELL_SPEC, N_RECEIVERS, CellResult, cell_versions, with_timeout
 from harness.faults.injectors import READ_POINTS
@@ -121,6 +123,13 @@ def run_trainer_kill_cell(
     point: str | None = None,
 ) -> CellResult:
     result = CellResult(backend_name, KIND, seed, "unknown", [], timeout_s=timeout_s)
+    unbounded = over_bound(with_timeout(resolve_backend(backend_name), timeout_s), timeout_s)
+    if unbounded:  # as run_cell: failed by its declaration, nothing run
+        result.verdict = "fail"
+        result.reasons = [
+            f"bounded: the backend declares {', '.join(unbounded)}, over the cell's {timeout_s:g} s timeout"
+        ]
+        return result
     argv = [
         sys.executable,
         "-m",
@@ -144,7 +153,18 @@ def run_trainer_kill_cell(
         open(err, "w") as fe,
     ):  # files, not pipes: a rank holding a pipe would delay wait()
         proc = subprocess.Popen(argv, stdout=fo, stderr=fe, text=True)
-        returncode = proc.wait(timeout=600)
+        budget = phase_budget("deploy", timeout_s) + 2 * phase_budget("push", timeout_s)
+        try:
+            returncode = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:  # its ranks end when its pipes close
+            proc.kill()
+            proc.wait()
+            result.verdict = "fail"
+            result.reasons = [
+                f"trainer-kill: the doomed trainer's deploy and pushes overran their {budget:g} s budget "
+                f"(killed): {(err.read_text() or out.read_text()).strip()[-600:]}"
+            ]
+            return result
     died_at = time.monotonic()
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     if returncode != -signal.SIGKILL or not lines or "ranks" not in lines[0]:
@@ -170,11 +190,16 @@ def run_trainer_kill_cell(
     if visible:
         problems.append(f"a partial version 2 is visible after the writer died: {visible}")
     t1 = time.monotonic()
-    try:
-        dep = _deploy(backend_name, workdir, engine, timeout_s)
-    except Exception as exc:  # noqa: BLE001
-        problems.append(f"no recovery: a new trainer could not deploy: {type(exc).__name__}: {exc}")
-    else:
+    held: dict = {}
+
+    def recovery(watch: PhaseWatch) -> None:
+        """A new trainer on the same working directory: deploy, push 1 and 2, read every engine."""
+        watch.phase("recovery")
+        try:
+            dep = held["dep"] = _deploy(backend_name, workdir, engine, timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"no recovery: a new trainer could not deploy: {type(exc).__name__}: {exc}")
+            return
         try:
             model = dep.handles[0].engine.weight_spec()
             weights = cell_versions(model, seed, 2)
@@ -187,11 +212,14 @@ def run_trainer_kill_cell(
                 )
                 if version != 2 or bad:
                     problems.append(f"after recovery engine {i} serves {version} ({bad[:1]})")
+        except Overran:
+            raise
         except Exception as exc:  # noqa: BLE001
             problems.append(
                 f"no recovery: the new trainer's pushes failed: {type(exc).__name__}: {str(exc)[:400]}"
             )
         finally:
+            watch.phase("cleanup")
             dep.close()
         left = [str(p) for p in workdir.rglob("*.tmp-*")]
         if left:
@@ -202,6 +230,19 @@ def run_trainer_kill_cell(
                 f"/dev/shm segments of the dead trainer still there after a new trainer started: "
                 f"{segments[:5]}"
             )
+
+    def kill_ranks() -> None:
+        for p in held["dep"].processes() if "dep" in held else []:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGKILL)
+
+    watch = PhaseWatch(timeout_s, on_overrun=kill_ranks)
+    overrun = watch.run(recovery)
+    if overrun is not None:
+        problems.insert(0, f"{KIND}: {overrun.describe()}")
+        result.stacks = overrun.stacks
+    elif watch.error is not None:
+        raise watch.error
     result.recover_s = round(time.monotonic() - t1, 3)
     result.verdict, result.reasons = ("fail", problems) if problems else ("ok", [])
     return result
