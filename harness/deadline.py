@@ -87,18 +87,13 @@ class PhaseWatch:
         self.overrun: Overrun | None = None
         self.error: BaseException | None = None
 
-    def phase(self, name: str, budget_s: float | None = None) -> None:
+    def phase(self, name: str) -> None:
         """The watched work enters `name`; raises Overran if an earlier phase overran (only clean up now)."""
         with self._cond:
             if self.overrun is not None and name != "cleanup":
                 raise Overran(self.overrun.describe())
-            budget = phase_budget(name, self.timeout_s) if budget_s is None else budget_s
-            self._phase = (name, time.monotonic(), budget)
+            self._phase = (name, time.monotonic(), phase_budget(name, self.timeout_s))
             self._cond.notify_all()
-
-    @property
-    def current(self) -> str:
-        return self._phase[0]
 
     def run(self, body: Callable[[PhaseWatch], None]) -> Overrun | None:
         """Run the work to its end or until a phase overruns (then `on_overrun`, and the work's

@@ -132,6 +132,24 @@ def deploy_for_faults(
     )
 
 
+def unbounded_declaration(backend: Backend, timeout_s: float) -> str | None:
+    """Why `backend`, given `timeout_s`, fails the bounded verdict by what it declares (None: it does not)."""
+    over = over_bound(with_timeout(backend, timeout_s), timeout_s)
+    if not over:
+        return None
+    return (
+        f"bounded: the backend declares {', '.join(over)}, over the cell's {timeout_s:g} s timeout "
+        "(set with timeout_s): a stalled party would hold every sync that long"
+    )
+
+
+def kill_ranks_of(dep) -> None:
+    """SIGKILL the rank processes of `dep` (None: nothing deployed yet): a phase overran its deadline."""
+    for p in dep.processes() if dep is not None else []:
+        with contextlib.suppress(OSError):
+            os.kill(p.pid, signal.SIGKILL)
+
+
 def detached(exc: BaseException) -> BaseException:
     """The error without its tracebacks: kept in an observation, a traceback would hold this frame
     (and the observation) in a cycle, and every fault's tensors until a full garbage collection."""
@@ -233,13 +251,9 @@ def run_cell(
     if reason:
         result.verdict, result.reasons = "not_applicable", [reason]
         return result
-    unbounded = over_bound(with_timeout(backend, timeout_s), timeout_s)
-    if unbounded:  # it would hold a stalled sync that long: failed by its declaration, nothing run
-        result.verdict = "fail"
-        result.reasons = [
-            f"bounded: the backend declares {', '.join(unbounded)}, over the cell's {timeout_s:g} s timeout "
-            "(set with timeout_s): a stalled party would hold every sync that long"
-        ]
+    unbounded = unbounded_declaration(backend, timeout_s)
+    if unbounded:  # failed by its declaration, nothing run
+        result.verdict, result.reasons = "fail", [unbounded]
         return result
     segments_before = own_segments()  # the trainer's segments that are not this cell's (e.g. a suite's pool)
     seen: dict[int, RankInfo] = {}
@@ -310,13 +324,7 @@ def run_cell(
         result.error = obs.error_text()
         result.detect_s, result.recover_s = round(obs.detect_s, 3), round(obs.recover_s, 3)
 
-    def kill_ranks() -> None:
-        dep = held.get("dep")
-        for p in dep.processes() if dep is not None else []:
-            with contextlib.suppress(OSError):
-                os.kill(p.pid, signal.SIGKILL)
-
-    watch = PhaseWatch(timeout_s, on_overrun=kill_ranks)
+    watch = PhaseWatch(timeout_s, on_overrun=lambda: kill_ranks_of(held.get("dep")))
     overrun = watch.run(body)
     result.log = ctx.log
     if overrun is not None:

@@ -12,7 +12,6 @@ at a seeded tensor read of version 2 (while the manifest is built or while bytes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -27,9 +26,17 @@ from pathlib import Path
 import torch
 
 from harness.checks import bitwise_mismatches
-from harness.deadline import Overran, PhaseWatch, over_bound, phase_budget
+from harness.deadline import Overran, PhaseWatch, phase_budget
 from harness.deployment import push
-from harness.faults.cell import CELL_SPEC, N_RECEIVERS, CellResult, cell_versions, with_timeout
+from harness.faults.cell import (
+    CELL_SPEC,
+    N_RECEIVERS,
+    CellResult,
+    cell_versions,
+    kill_ranks_of,
+    unbounded_declaration,
+    with_timeout,
+)
 from harness.faults.injectors import READ_POINTS
 from harness.paths.ipc import own_segments
 from harness.registry import engine_capabilities, resolve_backend
@@ -123,12 +130,9 @@ def run_trainer_kill_cell(
     point: str | None = None,
 ) -> CellResult:
     result = CellResult(backend_name, KIND, seed, "unknown", [], timeout_s=timeout_s)
-    unbounded = over_bound(with_timeout(resolve_backend(backend_name), timeout_s), timeout_s)
+    unbounded = unbounded_declaration(resolve_backend(backend_name), timeout_s)
     if unbounded:  # as run_cell: failed by its declaration, nothing run
-        result.verdict = "fail"
-        result.reasons = [
-            f"bounded: the backend declares {', '.join(unbounded)}, over the cell's {timeout_s:g} s timeout"
-        ]
+        result.verdict, result.reasons = "fail", [unbounded]
         return result
     argv = [
         sys.executable,
@@ -231,12 +235,7 @@ def run_trainer_kill_cell(
                 f"{segments[:5]}"
             )
 
-    def kill_ranks() -> None:
-        for p in held["dep"].processes() if "dep" in held else []:
-            with contextlib.suppress(OSError):
-                os.kill(p.pid, signal.SIGKILL)
-
-    watch = PhaseWatch(timeout_s, on_overrun=kill_ranks)
+    watch = PhaseWatch(timeout_s, on_overrun=lambda: kill_ranks_of(held.get("dep")))
     overrun = watch.run(recovery)
     if overrun is not None:
         problems.insert(0, f"{KIND}: {overrun.describe()}")
