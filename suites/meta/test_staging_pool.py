@@ -86,3 +86,21 @@ def test_a_buffer_held_for_long_does_not_stop_reuse_of_the_others():
         pool.trim()
     assert pool.allocated <= 3, f"{pool.allocated} buffers allocated for one pinned and one cycling"
     del pinned
+
+
+def test_spares_kept_are_of_the_sizes_the_last_update_took():
+    """A dense deploy stages one 64 MiB bucket, then every sparse update stages the patched tensors one by
+    one (8 of 8 MiB): the old bucket, free and first in line, must not use up the spare budget, or every
+    update allocates its 64 MiB afresh (measured: 4,100 first-touch faults per sync, 0.5 s on a busy VM)."""
+    pool = StagingPool()
+    engine = [pool.take(64)]  # the dense deploy
+    pool.trim()
+    for step in range(4):  # sparse updates: the engine drops the last version at each commit
+        engine = [pool.take(8) for _ in range(8)]
+        pool.trim()
+        assert pool.kept_bytes <= 2 * 64, f"after update {step}: {pool.kept_bytes} bytes kept"
+    assert pool.allocated <= 1 + 2 * 8, (
+        f"{pool.allocated} buffers allocated over 4 updates of 8 same-size tensors: the spares of the sizes "
+        f"the updates take were trimmed, the 64-byte bucket nobody takes was kept"
+    )
+    del engine
