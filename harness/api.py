@@ -506,6 +506,12 @@ class Sender(abc.ABC):
         """The engines may hold different versions (a restarted rank, a partial commit): assume
         nothing about them; the next prepare() sends every tensor whole."""
 
+    def diagnose(self) -> list[str]:
+        """After a failed sync, before complete(False): what the sender finds done to its data plane by
+        someone else (a segment removed, a directory deleted), each a sentence; push() adds them to the
+        error as notes, so the failure says what was damaged instead of a receiver's guess."""
+        return []
+
     def settle(self) -> None:  # noqa: B027 - optional hook
         """Return once background housekeeping (e.g. deleting retired checkpoints) is done; a check
         that counts what a path leaves behind calls it first."""

@@ -85,6 +85,7 @@ class CellObservation:
     fault_problems: list[str] = dataclasses.field(
         default_factory=list
     )  # the fault's own oracle (Fault.check)
+    must_name: tuple[str, ...] = ()  # a failed push's error carries one of these (what was damaged)
 
     def error_text(self) -> str | None:
         return None if self.error is None else _error_text(self.error).strip()[-1500:]
@@ -143,6 +144,10 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
         injected_trainer = isinstance(obs.error, RuntimeError) and "injected trainer failure" in text
         if not isinstance(obs.error, WeightSyncError | MemoryError) and not injected_trainer:
             problems.append(f"the failure is not a specific error: {type(obs.error).__name__}: {text[:300]}")
+        if obs.must_name and not any(w and w in text for w in obs.must_name):
+            problems.append(
+                f"the error does not say what was damaged (none of {list(obs.must_name)[:4]}): {text.strip()[:300]}"
+            )
         if getattr(obs.fault, "names_victim", False) and obs.victim_name and obs.victim_name not in text:
             problems.append(f"the error does not name the faulty receiver ({obs.victim_name}): {text[:300]}")
         if len(set(served)) > 1 and not isinstance(obs.error, PartialCommitError):

@@ -143,6 +143,7 @@ def push(
     except BaseException as exc:
         # No engine may commit a version another engine refused: discard everywhere.
         _abort_all(started)
+        _add_diagnosis(exc, deployment.sender)
         deployment.sender.complete(False)
         deployment.needs_recovery = not isinstance(exc, REFUSALS)
         raise
@@ -165,6 +166,16 @@ def push(
             ) from exc
     deployment.sender.complete(True)
     clock.lap("finish")
+
+
+def _add_diagnosis(exc: BaseException, sender) -> None:
+    """What the sender finds done to its data plane, as notes of the error (shown with it)."""
+    try:
+        found = sender.diagnose() if hasattr(sender, "diagnose") else []
+    except Exception as why:  # noqa: BLE001 - a diagnosis must never hide the failure it explains
+        found = [f"(the sender's diagnosis failed: {type(why).__name__}: {why})"]
+    for what in found:
+        exc.add_note(f"trainer: {what}")
 
 
 class Clock:

@@ -298,6 +298,23 @@ def fault_matrix(faults: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
     return out
 
 
+def between_syncs_kinds(mat: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """The kinds of a fault matrix that damage the deployment between syncs (rows of their own)."""
+    return [
+        k
+        for k, row in mat.items()
+        if any(c.get("family") == "between-syncs" for cs in row.values() for c in cs)
+    ]
+
+
+def damage_of(kind: str) -> str:
+    """The first sentence of the fault kind's own description (what it does to the deployment)."""
+    from harness.faults.injectors import FAULTS
+
+    doc = (FAULTS[kind].__doc__ or kind) if kind in FAULTS else kind
+    return " ".join(doc.split()).split(". ")[0].split(": ")[0].rstrip(".").replace("|", "/")
+
+
 def fault_cell_text(cells: list[dict] | None) -> str:
     """ok / **FAIL** / unknown / NOT_SUPPORTED, with the worst time to detect and to recover."""
     if not cells:
@@ -333,8 +350,29 @@ def fault_section(faults: dict[str, dict]) -> list[str]:
         "| fault | " + " | ".join(backends) + " |",
         "| --- | " + " | ".join("---" for _ in backends) + " |",
     ]
+    between = between_syncs_kinds(mat)
     for kind in mat:
-        md.append(f"| {kind} | " + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends) + " |")
+        if kind not in between:
+            md.append(f"| {kind} | " + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends) + " |")
+    if between:
+        md += [
+            "",
+            "### Damage between syncs",
+            "",
+            "After v1 committed, with nothing in flight, the machine damages the deployment; then v2 and v3 are "
+            "pushed as the trainer would push them. ok = v2 committed bit for bit on every engine, or failed once "
+            "with an error naming what was damaged (engines still on v1, bit for bit) and v3 committed: never "
+            "every push failing until a redeploy, never a redeploy by the harness.",
+            "",
+            "| damage | what is damaged | " + " | ".join(backends) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in backends) + " |",
+        ]
+        for kind in between:
+            md.append(
+                f"| {kind} | {damage_of(kind)} | "
+                + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends)
+                + " |"
+            )
     bad = [
         c for row in mat.values() for cs in row.values() for c in cs if c["verdict"] in ("fail", "unknown")
     ]

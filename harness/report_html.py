@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from harness.bench import THROUGHPUT_COLUMNS, throughput_cells
-from harness.report import cell, fault_cell_text, fault_matrix, matrix
+from harness.report import between_syncs_kinds, cell, damage_of, fault_cell_text, fault_matrix, matrix
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
@@ -137,12 +137,32 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
             "<p>ok / fail / unknown (never ok) / NOT_SUPPORTED per cell; times: slowest faulty push (detect) "
             "/ slowest push after heal (recover).</p>"
         )
+        between = between_syncs_kinds(fmat)
         parts.append(
             _table(
                 ["fault", *fbackends],
-                [[k] + [_cell_html(fault_cell_text(fmat[k].get(b))) for b in fbackends] for k in fmat],
+                [
+                    [k] + [_cell_html(fault_cell_text(fmat[k].get(b))) for b in fbackends]
+                    for k in fmat
+                    if k not in between
+                ],
             )
         )
+        if between:
+            parts.append("<h3>Damage between syncs</h3>")
+            parts.append(
+                "<p>Damage done after v1 committed, nothing in flight; ok = the next push commits bit for bit, "
+                "or fails once naming what was damaged and the push after it commits (no redeploy).</p>"
+            )
+            parts.append(
+                _table(
+                    ["damage", "what is damaged", *fbackends],
+                    [
+                        [k, damage_of(k)] + [_cell_html(fault_cell_text(fmat[k].get(b))) for b in fbackends]
+                        for k in between
+                    ],
+                )
+            )
 
     counts = {b: Counter(rec.get("status") for rec in results[b].get("tests", {}).values()) for b in backends}
     parts.append("<h2>Counts</h2>")

@@ -59,6 +59,7 @@ class CellResult:
     verdict: str
     reasons: list[str]
     point: str = ""
+    family: str = "in-push"  # or "between-syncs": damage done while nothing synced (harness.faults.between)
     error: str | None = None
     detect_s: float | None = None  # the faulty push: until it returned
     recover_s: float | None = None  # the push after heal: until every engine held the new version
@@ -178,6 +179,7 @@ def strike(
     enter("inject")
     fault.setup(ctx)
     tensors = fault.arm(ctx, versions[version])
+    obs.must_name = tuple(fault.must_name)
     obs.victim_name = dep.processes()[ctx.victim].name if dep.processes() else None
     enter("push")
     t0 = time.monotonic()
@@ -246,7 +248,9 @@ def run_cell(
     ):
         return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s, point)
     fault = FAULTS[fault_kind]()
-    result = CellResult(backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s)
+    result = CellResult(
+        backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s, family=fault.family
+    )
     reason = fault.applies_to(caps)
     if reason:
         result.verdict, result.reasons = "not_applicable", [reason]
@@ -257,7 +261,9 @@ def run_cell(
         return result
     segments_before = own_segments()  # the trainer's segments that are not this cell's (e.g. a suite's pool)
     seen: dict[int, RankInfo] = {}
-    ctx = FaultContext(None, workdir, random.Random(seed), point=point)  # type: ignore[arg-type] - deployed below
+    ctx = FaultContext(
+        None, workdir, random.Random(seed), point=point, segments_before=tuple(segments_before)
+    )  # type: ignore[arg-type] - deployed below
     held: dict[str, object] = {}
 
     n = min(N_RECEIVERS, caps.max_receivers)

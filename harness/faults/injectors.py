@@ -38,6 +38,8 @@ class FaultContext:
     victim: int = 0  # the receiver index a receiver fault strikes
     #: the named point to strike (one of Fault.points()); None: drawn from `rng`
     point: str | None = None
+    #: the trainer's /dev/shm segments that are not this cell's (a suite's open pools): never damaged
+    segments_before: tuple[str, ...] = ()
     log: list[str] = dataclasses.field(default_factory=list)  # what was done, when (for the report)
     timers: list[threading.Timer] = dataclasses.field(default_factory=list)
 
@@ -62,6 +64,10 @@ class Fault(abc.ABC):
     names_victim: bool = False
     #: the push must succeed despite the fault (a client rides out a cut connection by retrying)
     must_succeed: bool = False
+    #: "in-push": strikes while a push runs; "between-syncs": damage done while nothing syncs
+    family: str = "in-push"
+    #: a failed push's error must carry one of these words (what was damaged); () : no such check
+    must_name: tuple[str, ...] = ()
 
     def applies(self, backend: str, caps: Capabilities, deployment: Deployment) -> str | None:
         return None
@@ -443,12 +449,18 @@ PRIVATE_SHM_ENV = "WEIGHTSYNC_PRIVATE_SHM"  # set where /dev/shm is a private tm
 
 
 class StorageFull(Fault):
-    """The storage under the data plane fills up during the write of a version: for files, a small
-    tmpfs under the checkpoint directory (ENOSPC mid-write, grown back at heal); for shared memory,
+    """The storage under the data plane fills up between two syncs (the push after it runs out of space,
+    the one after heal has it back): for files, a small tmpfs under the checkpoint directory (ENOSPC
+    mid-write, grown back at heal); for shared memory,
     /dev/shm filled to less than one version (only inside a private mount namespace, where /dev/shm
     is a tmpfs of the cell's own: the host's is never touched)."""
 
     kind = "storage-full"
+    family = "between-syncs"
+
+    @property
+    def must_name(self) -> tuple[str, ...]:  # which filesystem ran out
+        return ("/dev/shm",) if getattr(self, "filler", None) else (str(getattr(self, "mount", "")),)
 
     def applies(self, backend, caps, deployment):
         if os.geteuid() != 0:
@@ -593,6 +605,8 @@ def _run(argv: list[str]) -> None:
         raise OSError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
 
 
+from harness.faults import between  # noqa: E402 - its kinds subclass Fault, defined above
+
 #: Every fault kind the matrix runs, by name.
 FAULTS: dict[str, type[Fault]] = {
     f.kind: f
@@ -607,5 +621,6 @@ FAULTS: dict[str, type[Fault]] = {
         StorageFull,
         HttpRequestCut,
         HttpAnswerLost,
+        *between.KINDS,
     )
 }

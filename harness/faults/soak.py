@@ -19,22 +19,29 @@ from harness.faults.cell import (
     DEFAULT_CELL_TIMEOUT_S,
     deploy_for_faults,
     leaked,
+    next_step,
     read_engines,
     recover,
     seeded_weights,
     strike,
 )
-from harness.faults.injectors import FAULTS, FaultContext
+from harness.faults.injectors import FAULTS, FaultContext, PointNotApplicable
 from harness.paths.ipc import own_segments
 
-SOAK_BACKENDS = ("broadcast", "ipc")
-#: The faults a soak cycles through (those that need no mount or file-backed data plane).
+SOAK_BACKENDS = ("broadcast", "ipc", "delta", "disk")
+#: The faults a soak cycles through, those of them that apply to the path (none that mounts): faults
+#: during a push, and damage between syncs (harness.faults.between).
 SOAK_FAULTS = (
     "receiver-kill",
+    "shm-removed",
     "receiver-stall",
+    "checkpoints-removed",
     "trainer-raise",
+    "rank-killed-idle",
     "payload-corrupt",
+    "shm-replaced",
     "payload-cut",
+    "port-taken",
     "commit-fail",
 )
 WARMUP_SYNCS = 10
@@ -70,6 +77,10 @@ def _fd_targets() -> dict[str, str]:
     return out
 
 
+def _applies(fault, backend_name: str, caps: Capabilities, dep) -> bool:
+    return fault.applies_to(caps) is None and fault.applies(backend_name, caps, dep) is None
+
+
 def run_soak(
     backend: Backend,
     backend_name: str,
@@ -81,8 +92,9 @@ def run_soak(
     timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
     seed: int = 0,
 ) -> dict:
-    """Push versions 1..syncs; every `fault_every`-th push is struck by the next fault of SOAK_FAULTS
-    and the push after it is its recovery. Returns the report (JSON-able)."""
+    """Push versions 1..syncs, consecutive trainer steps (a patch path sends patches); every
+    `fault_every`-th push is struck by the next fault of SOAK_FAULTS that applies to the path, and the
+    push after it is its recovery. Returns the report (JSON-able)."""
     caps = caps or backend.capabilities
     rng = random.Random(seed)
     segments_before = own_segments()
@@ -95,45 +107,57 @@ def run_soak(
     steady_fds: dict[str, str] = {}
     samples: list[dict] = []  # every 100 syncs: a leak is a slope, not one difference
     next_sample = 100
+    kinds: list[str] = []
     try:
+        kinds = [k for k in SOAK_FAULTS if _applies(FAULTS[k](), backend_name, caps, dep)]
         model = dep.handles[0].engine.weight_spec()
         committed = None  # weights of the newest version every engine holds
+        weights = seeded_weights(model, seed * 100_003)
         v, n_faults = 1, 0
         while v <= syncs:
             if v == WARMUP_SYNCS + 1:
                 baseline = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
-            tensors = seeded_weights(model, seed * 100_003 + v)
-            if v % fault_every == 0 and v < syncs:
-                kind = SOAK_FAULTS[n_faults % len(SOAK_FAULTS)]
+            tensors = weights = next_step(weights, seed * 100_003 + v)
+            if v % fault_every == 0 and v < syncs and kinds:
+                kind = kinds[n_faults % len(kinds)]
                 n_faults += 1
                 fault = FAULTS[kind]()
-                if fault.applies(backend_name, caps, dep) is None:
-                    versions = {v: tensors, v + 1: seeded_weights(model, seed * 100_003 + v + 1)}
-                    if committed is not None:
-                        versions[v - 1] = committed
-                    ctx = FaultContext(dep, workdir, rng)
+                weights = next_step(tensors, seed * 100_003 + v + 1)
+                versions = {v: tensors, v + 1: weights}
+                if committed is not None:
+                    versions[v - 1] = committed
+                ctx = FaultContext(dep, workdir, rng, segments_before=tuple(segments_before))
+                try:
                     obs = strike(dep, fault, ctx, versions, v, timeout_s)
-                    recover(dep, obs, v + 1)
-                    seen.update({p.pid: p for p in dep.processes()})
-                    verdict, reasons = judge_cell(obs)
+                except PointNotApplicable as exc:  # e.g. no segment kept (nothing to remove) this time
                     cells.append(
-                        {
-                            "sync": v,
-                            "fault": kind,
-                            "point": fault.describe(ctx),
-                            "verdict": verdict,
-                            "reasons": reasons,
-                            "error": obs.error_text(),
-                            "detect_s": round(obs.detect_s, 3),
-                            "recover_s": round(obs.recover_s, 3),
-                        }
+                        {"sync": v, "fault": kind, "verdict": "not_applicable", "reasons": [str(exc)]}
                     )
-                    committed = versions[v + 1] if obs.recovery_error is None else committed
-                    if n_faults == len(SOAK_FAULTS):  # every fault path has run once: allocators are warm
-                        steady = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
-                        steady_fds = _fd_targets()
-                    v += 2
+                    fault.teardown(ctx)
+                    v += 1
                     continue
+                recover(dep, obs, v + 1)
+                seen.update({p.pid: p for p in dep.processes()})
+                verdict, reasons = judge_cell(obs)
+                cells.append(
+                    {
+                        "sync": v,
+                        "fault": kind,
+                        "point": fault.describe(ctx),
+                        "verdict": verdict,
+                        "reasons": reasons,
+                        "error": obs.error_text(),
+                        "detect_s": round(obs.detect_s, 3),
+                        "recover_s": round(obs.recover_s, 3),
+                    }
+                )
+                fault.teardown(ctx)
+                committed = versions[v + 1] if obs.recovery_error is None else committed
+                if n_faults == len(kinds):  # every fault path has run once: allocators are warm
+                    steady = {"rss": _rss_mib(), "fds": _fds(), "threads": threading.active_count()}
+                    steady_fds = _fd_targets()
+                v += 2
+                continue
             try:
                 push(dep, v, tensors)
                 committed = tensors
@@ -168,6 +192,7 @@ def run_soak(
     if wrong:
         leaks.append(f"engines {wrong} do not serve the last version {syncs} at the end")
     ok = sum(c["verdict"] == "ok" for c in cells)
+    judged = [c for c in cells if c["verdict"] != "not_applicable"]
     growth = {k: end[k] - baseline.get(k, end[k]) for k in end}
     steady_growth = {k: end[k] - steady.get(k, end[k]) for k in end}  # after the first round of faults
     return {
@@ -176,6 +201,7 @@ def run_soak(
         "fault_every": fault_every,
         "timeout_s": timeout_s,
         "seconds": round(time.monotonic() - t_start, 1),
+        "kinds": kinds,
         "cells": cells,
         "rss_start_mib": round(baseline.get("rss", 0), 1),
         "rss_end_mib": round(end["rss"], 1),
@@ -189,7 +215,7 @@ def run_soak(
         "leaks": leaks,
         "samples": samples,
         "fds_opened_since_steady": sorted(t for fd, t in end_fds.items() if steady_fds.get(fd) != t),
-        "summary": f"{syncs} syncs, {len(cells)} faults, {ok} ok, {len(cells) - ok} not ok; RSS +{growth['rss']:.0f} MiB "
+        "summary": f"{syncs} syncs, {len(judged)} faults of {len(kinds)} kinds, {ok} ok, {len(judged) - ok} not ok; RSS +{growth['rss']:.0f} MiB "
         f"(+{steady_growth['rss']:.0f} after the first round of faults), fds {growth['fds']:+d}, "
         f"threads {growth['threads']:+d}, restarts {getattr(dep, 'restarts', '?')}",
     }

@@ -157,6 +157,12 @@ class BroadcastSender(Sender):
             "timeout_s": self.timeout_s,
         }
 
+    @property
+    def store_port(self) -> int | None:
+        """The port of the store the group was formed at (None before init)."""
+        store = getattr(self, "_store", None)
+        return None if store is None else store.port
+
     def _wait_group(self):
         if self._join is not None:
             self._join.join(self.timeout_s)

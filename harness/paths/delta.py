@@ -176,6 +176,9 @@ class DeltaSender(Sender):
         self._base = None  # the next prepare() sends every tensor dense
         self._spare = {}
 
+    def diagnose(self) -> list[str]:
+        return self.transport.diagnose()
+
     def shutdown(self) -> None:
         self.transport.shutdown()
 

@@ -7,7 +7,8 @@ segment names or IPC handles (bytes, base64), sizes and a per-sync token. The to
 the head of every buffer, so a receiver given a stale handle (released) or a foreign one (another
 sync's, or anyone else's) gets a clear error instead of someone else's bytes.
 
-Segments are kept across syncs (one per bucket, reused while its size fits): writing into pages that
+Segments are kept across syncs (one per bucket, reused while its size fits and its name still leads to
+it: another process may remove or replace a /dev/shm file between syncs): writing into pages that
 are already backed is a warm copy, where a new segment costs a reservation and a first touch of every
 page, twice the copy on a small host. complete() wipes every token, after every sync, committed or
 not, so a handle is good for one sync only; shutdown() (and a size change) unlinks them.
@@ -52,7 +53,9 @@ def _map_segment(name: str) -> mmap.mmap:
         fd = os.open(f"/dev/shm/{name}", os.O_RDONLY)
     except FileNotFoundError:
         raise TransferError(
-            f"shared-memory segment {name!r} does not exist: stale handle (already released?)"
+            f"shared-memory segment {name!r} does not exist in /dev/shm: removed by another process while "
+            "its sync was open (the trainer unlinks a segment only at shutdown or when a bucket's size "
+            "changes), or a handle of a sync long over"
         ) from None
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
@@ -118,6 +121,8 @@ class IpcSender(Sender):
         self._cuda_buffers: list[torch.Tensor] = []
         self._token: torch.Tensor | None = None  # in place: the sync's token, on the GPU, kept across syncs
         self._shared: list[torch.UntypedStorage] = []  # in place: the trainer's storages, held until complete
+        #: what happened to kept segments between syncs, by another process (newest last): diagnose() says it
+        self.damaged: list[str] = []
 
     def init(self) -> JSON:
         sweep_abandoned_segments()  # a trainer killed mid-sync left its segments in /dev/shm (RAM)
@@ -193,12 +198,17 @@ class IpcSender(Sender):
         return {**refs, "tensors": placed}
 
     def _fit_segments(self, sizes) -> None:
-        """One segment of exactly TOKEN_BYTES + size per bucket: kept where it fits, new where not."""
+        """One segment of exactly TOKEN_BYTES + size per bucket: kept where it fits and its name still
+        leads to it, new where not."""
         for b, size in enumerate(sizes):
-            if b < len(self._segments) and os.fstat(self._segments[b]._fd).st_size == TOKEN_BYTES + size:
+            damage = _damage(self._segments[b]) if b < len(self._segments) else None
+            if damage:  # removed from /dev/shm, or the name taken by another file: made anew
+                self.damaged = [*self.damaged[-15:], f"bucket {b}: {damage}"]
+                _abandon(self._segments[b])
+            elif b < len(self._segments) and os.fstat(self._segments[b]._fd).st_size == TOKEN_BYTES + size:
                 continue
             with phases.phase("alloc"):
-                if b < len(self._segments):
+                if b < len(self._segments) and not damage:
                     _release(self._segments[b])
                 name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
                 shm = shared_memory.SharedMemory(name=name, create=True, size=TOKEN_BYTES + size)
@@ -236,11 +246,46 @@ class IpcSender(Sender):
             if os.fstat(shm._fd).st_size >= TOKEN_BYTES:
                 shm.buf[:TOKEN_BYTES] = bytes(TOKEN_BYTES)
 
+    def diagnose(self) -> list[str]:
+        """After a failed sync: what another process did to this sync's segments while it was open."""
+        return [f"bucket {b}: {d}" for b, shm in enumerate(self._segments) if (d := _damage(shm))]
+
     def shutdown(self) -> None:
         self.complete(False)
         for shm in self._segments:
-            _release(shm)
+            if _damage(shm):
+                _abandon(shm)
+            else:
+                _release(shm)
         self._segments.clear()
+
+
+def _damage(shm: shared_memory.SharedMemory) -> str | None:
+    """What another process did to a kept segment since it was made (None: its name still leads to it).
+    The sender's descriptor keeps the memory alive whatever happens to the name, so a size check alone
+    would go on packing into a file no receiver can open: systemd-logind's RemoveIPC unlinks a user's
+    segments when their last session ends; anyone may unlink or replace a /dev/shm file."""
+    path = f"/dev/shm/{shm.name.lstrip('/')}"
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return f"segment {shm.name} was removed from /dev/shm by another process"
+    own = os.fstat(shm._fd)
+    if (named.st_dev, named.st_ino) != (own.st_dev, own.st_ino):
+        return f"segment {shm.name} in /dev/shm was replaced by another process's file (inode {named.st_ino}, ours {own.st_ino})"
+    return None
+
+
+def _abandon(shm: shared_memory.SharedMemory) -> None:
+    """Let go of a segment whose name is gone or leads to a file not ours: close, never unlink, and take
+    it off the resource tracker's list (which would unlink that name when the trainer exits)."""
+    from multiprocessing import resource_tracker
+
+    shm.close()
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001, S110 - a tracker that never knew it has nothing to forget
+        pass
 
 
 def _release(shm: shared_memory.SharedMemory) -> None:

@@ -52,6 +52,7 @@ CONTROL_PLANE_KINDS = (
     "http-request-cut",
     "http-answer-lost",
     "trainer-raise",
+    "rank-killed-idle",
 )
 
 

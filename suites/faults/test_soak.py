@@ -1,8 +1,10 @@
-"""Soak: 1000 consecutive syncs with a fault every 20th, on the broadcast and ipc paths (or those
-selected), each fault judged like a matrix cell; RSS growth, leaked resources and every verdict written
-as JSON. Marker `soak` (and `slow`): outside the default tier.
+"""Soak: 1000 consecutive syncs (trainer steps: a patch path sends patches) with a fault every 20th, on
+every built-in path (or those selected), each fault judged like a matrix cell. The faults rotate through
+those that apply to the path: during a push, and damage between syncs (segments removed or replaced,
+checkpoints deleted, a rank killed idle, the group's port taken). RSS growth, leaked resources and
+every verdict written as JSON. Marker `soak` (and `slow`): outside the default tier.
 
-    pytest suites/faults/test_soak.py -m soak --weightsync-backend=broadcast,ipc -s
+    pytest suites/faults/test_soak.py -m soak --weightsync-backend=broadcast,ipc,delta,disk -s
     WEIGHTSYNC_SOAK_SYNCS=200 pytest suites/faults/test_soak.py -m soak          # a shorter soak
 """
 
@@ -37,7 +39,7 @@ def test_soak_with_a_fault_every_20_syncs(backend_name, weightsync_selection, tm
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"\nsoak {backend_name}: {report['summary']} -> {out}")
-    bad = [c for c in report["cells"] if c["verdict"] != "ok"]
+    bad = [c for c in report["cells"] if c["verdict"] not in ("ok", "not_applicable")]
     assert not bad, f"soak {backend_name}: {len(bad)} fault(s) not ok: " + "; ".join(
         f"sync {c['sync']} {c['fault']}: {c['verdict']} {c['reasons']}" for c in bad[:5]
     )

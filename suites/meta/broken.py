@@ -20,6 +20,7 @@ from harness.engines.reference import ReferenceEngine
 from harness.engines.tiny_lm import ModelConfig
 from harness.paths import delta_codec
 from harness.paths import disk as disk_path
+from harness.paths import ipc as ipc_path
 from harness.paths.broadcast import BroadcastSender
 from harness.paths.delta import DeltaSender
 from harness.paths.disk import DiskSender
@@ -517,3 +518,52 @@ class PublishFirstDiskBackend(DiskBackend):
 
 def make_publish_first_disk_backend():
     return PublishFirstDiskBackend()
+
+
+class _DescriptorKeyedIpcSender(IpcSender):
+    """Keeps a segment while its own descriptor says the size fits, never asking whether the name still
+    leads to it (weightsync's ipc path until 2026-12-03): once another process removed or replaced the
+    file, every later push packs into memory no receiver can open."""
+
+    def _fit_segments(self, sizes):
+        real, ipc_path._damage = ipc_path._damage, lambda shm: None
+        try:
+            super()._fit_segments(sizes)
+        finally:
+            ipc_path._damage = real
+
+
+class DescriptorKeyedIpcBackend(IpcBackend):
+    name = "broken-descriptor-keyed-ipc"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        dep.sender.__class__ = _DescriptorKeyedIpcSender
+        return dep
+
+
+def make_descriptor_keyed_ipc_backend():
+    return DescriptorKeyedIpcBackend()
+
+
+class _LastCheckpointTrustingSender(DiskSender):
+    """Lists its last published version before writing the next (to link the shards that did not
+    change): once a retention cleaner removed that directory, every later push fails."""
+
+    def prepare(self, version, named_tensors):
+        if self._written:
+            self.unchanged_candidates = sorted(os.listdir(self._written[-1]))
+        return super().prepare(version, named_tensors)
+
+
+class LastCheckpointTrustingDiskBackend(DiskBackend):
+    name = "broken-last-checkpoint-trusting"
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        dep.sender.__class__ = _LastCheckpointTrustingSender
+        return dep
+
+
+def make_last_checkpoint_trusting_disk_backend():
+    return LastCheckpointTrustingDiskBackend()

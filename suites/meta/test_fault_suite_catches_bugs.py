@@ -68,6 +68,25 @@ def test_fault_suite_fails_a_writer_that_publishes_before_the_last_shard(pyteste
     result.stdout.fnmatch_lines(["*trainer-kill-mid-move*", "*a partial version 2 is visible*"])
 
 
+def test_fault_suite_fails_an_ipc_sender_that_keys_its_segments_by_descriptor_only(pytester):
+    # segments removed from /dev/shm between syncs: the sender packs into files no receiver can open
+    result = _run(
+        pytester, "make_descriptor_keyed_ipc_backend", "fault_cell and (shm-removed or shm-replaced)"
+    )
+    assert result.parseoutcomes().get("failed", 0) == 2, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(
+        ["*x shm-removed*", "*no recovery*does not exist in /dev/shm: removed by another process*"]
+    )
+
+
+def test_fault_suite_fails_a_disk_sender_that_assumes_its_last_checkpoint_exists(pytester):
+    result = _run(
+        pytester, "make_last_checkpoint_trusting_disk_backend", "fault_cell and checkpoints-removed"
+    )
+    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*x checkpoints-removed*", "*no recovery*No such file or directory*"])
+
+
 def test_fault_suite_fails_a_declared_half_hour_timeout_before_anything_runs(pytester):
     t0 = time.monotonic()
     result = _run(pytester, "make_declared_half_hour_backend", "fault_cell and receiver-stall")

@@ -245,3 +245,36 @@ def test_a_row_is_remeasured_with_the_engine_that_measured_it():
     assert throughput.startswith("weightsync bench --backend disk") and "--engine" not in throughput, (
         throughput
     )
+
+
+def test_damage_between_syncs_gets_rows_of_its_own_with_what_was_damaged(tmp_path):
+    cells = {
+        "receiver-kill": {"family": "in-push", "verdict": "ok"},
+        "shm-removed": {"family": "between-syncs", "verdict": "fail"},
+    }
+    tests = {
+        f"{FAULT_NODE[:-2]}-{kind}]": {
+            "status": "passed" if c["verdict"] == "ok" else "failed",
+            "fault_cell": {
+                **c,
+                "fault": kind,
+                "backend": "ipc",
+                "seed": 1,
+                "point": kind,
+                "reasons": ["no recovery"] if c["verdict"] == "fail" else [],
+                "detect_s": 0.1,
+                "recover_s": 0.2,
+                "timeout_s": 4.0,
+            },
+        }
+        for kind, c in cells.items()
+    }
+    faults = {"ipc": {"complete": True, "exitstatus": 1, "tests": tests}}
+    write_report(tmp_path, {"ipc": _suite("passed")}, [], "weightsync certify --backend ipc", faults)
+    md = (tmp_path / "report.md").read_text()
+    in_push, between = md.split("### Damage between syncs")
+    assert "| receiver-kill |" in in_push and "| shm-removed |" not in in_push, md
+    assert "| shm-removed | Every shared-memory segment of the trainer unlinked from /dev/shm" in between, md
+    assert "**FAIL** 1/1" in between, md
+    page = (tmp_path / "report.html").read_text()
+    assert "Damage between syncs" in page and "unlinked from /dev/shm" in page
