@@ -17,6 +17,7 @@ not, so a handle is good for one sync only; shutdown() (and a size change) unlin
 from __future__ import annotations
 
 import base64
+import logging
 import mmap
 import os
 import secrets
@@ -36,6 +37,7 @@ from harness.manifest import Manifest
 from harness.paths.base import StagingReceiver
 from harness.procs import pid_alive
 
+log = logging.getLogger("weightsync.ipc")
 TOKEN_BYTES = 16  # every buffer starts with the sync's token; payload follows
 SEGMENT_PREFIX = "wsync-"
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -204,6 +206,7 @@ class IpcSender(Sender):
             damage = _damage(self._segments[b]) if b < len(self._segments) else None
             if damage:  # removed from /dev/shm, or the name taken by another file: made anew
                 self.damaged = [*self.damaged[-15:], f"bucket {b}: {damage}"]
+                log.warning("ipc sender: bucket %d: %s; made anew (RemoveIPC=yes in logind.conf?)", b, damage)
                 _abandon(self._segments[b])
             elif b < len(self._segments) and os.fstat(self._segments[b]._fd).st_size == TOKEN_BYTES + size:
                 continue
