@@ -489,7 +489,11 @@ class Sender(abc.ABC):
 
     @abc.abstractmethod
     def prepare(self, version: int, named_tensors: Mapping[str, torch.Tensor]) -> JSON:
-        """Stage `version` for sending; returns the update_info receivers get in update_weights."""
+        """Stage `version` for sending; returns the update_info receivers get in update_weights.
+
+        A sender that can judge the version alone (a name or a shape its model lacks) may refuse it here with
+        the error a receiver would raise (UnknownTensorError, ManifestMismatch): no receiver sees the version,
+        so their update stays open as it was (the lifecycle state machine accepts either place)."""
 
     @abc.abstractmethod
     def transmit(self) -> None:

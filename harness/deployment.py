@@ -45,11 +45,26 @@ def deliver(
     update_weights. Once every party has returned (or `timeout`, default twice the deployment's,
     passed) raises the most telling error: a transfer failure (it names the rank) before a refusal.
     Returns the update_info that was delivered."""
-    timeout = 2 * deployment.timeout_s if timeout is None else timeout
-    handles = deployment.handles
     clock = clock or Clock(None)
     update_info = deployment.sender.prepare(version, named_tensors)
     clock.lap("prepare")
+    del named_tensors  # a failed transfer's traceback must not keep the version's tensors alive
+    return transfer(deployment, version, update_info, timeout, clock)
+
+
+def transfer(
+    deployment: Deployment,
+    version: int,
+    update_info: JSON,
+    timeout: float | None = None,
+    clock: Clock | None = None,
+) -> JSON:
+    """deliver()'s data plane for an update the sender has prepared: transmit while every receiver runs
+    update_weights with `update_info`. A caller that must tell a refusal by the sender (in prepare, before any
+    receiver saw the version) from one by the receivers calls prepare itself, then this."""
+    timeout = 2 * deployment.timeout_s if timeout is None else timeout
+    handles = deployment.handles
+    clock = clock or Clock(None)
     pool = _delivery_pool(deployment, len(handles) + 1)
     futures = [pool.submit(deployment.sender.transmit)]
     futures += [pool.submit(h.receiver.update_weights, update_info) for h in handles]
@@ -65,7 +80,7 @@ def deliver(
         primary = _most_telling(errors)
         # the traceback will hold this frame: drop what would make a cycle through the futures,
         # or every failed sync keeps its tensors alive until a full garbage collection
-        del futures, errors, named_tensors
+        del futures, errors
         raise primary
     clock.lap("transfer")
     return update_info

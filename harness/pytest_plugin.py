@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from harness.api import ENGINE_UNRESTRICTED, Backend, BackendError, Capabilities, Deployment
 from harness.devices import check_available, set_run_device
+from harness.known_failures import known_failure_of, read_known_failures
 from harness.registry import (
     BUILTIN_BACKENDS,
     BUILTIN_ENGINES,
@@ -206,6 +207,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "pytest run keeps its own hypothesis settings",
     )
     group.addoption(
+        "--weightsync-xfails-file",
+        default=os.environ.get("WEIGHTSYNC_XFAILS_FILE"),
+        help="a file of known failures of the code under test, one test id per line with '# reason': each "
+        "becomes a strict xfail, so a fix shows as an XPASS that fails the run (harness.known_failures)",
+    )
+    group.addoption(
         "--weightsync-results",
         default=None,
         help="write per-test outcomes (passed/failed/skipped/NOT_SUPPORTED, examples) as JSON to this path",
@@ -337,6 +344,20 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             "(capabilities above are what backend and engine both claim)"
         )
     return lines
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    path = config.getoption("--weightsync-xfails-file")
+    if not path or not config.stash.get(_ACTIVE, False):
+        return
+    try:
+        entries = read_known_failures(path)
+    except (OSError, ValueError) as exc:
+        raise pytest.UsageError(f"--weightsync-xfails-file: {exc}") from None
+    for item in items:
+        known = known_failure_of(entries, item.nodeid)
+        if known is not None:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {known.reason}"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

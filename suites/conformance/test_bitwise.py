@@ -53,6 +53,31 @@ def test_special_values_survive(
     )
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=dtype_name)
+def test_scalar_and_empty_tensors_arrive(
+    weightsync_deployment, weightsync_backend, weightsync_capabilities, dtype, request
+):
+    """0-d tensors (fp8 weight scales, a norm's scalar) and empty ones, beside an ordinary tensor: the property
+    test above draws them too, at random; this one makes sure every dtype meets them in every run."""
+    if dtype not in weightsync_capabilities.dtypes:
+        pytest.skip(
+            f"NOT_SUPPORTED: backend {weightsync_backend.name!r} (with this engine) does not claim {dtype}"
+        )
+    weights = {
+        "layer.weight_scale": torch.tensor(0.375).to(dtype),
+        "layer.empty": torch.empty(0, 4, dtype=dtype),
+        "layer.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype),
+    }
+    weightsync_deployment.reset(spec_of(weights))
+    push_and_check(
+        weightsync_deployment,
+        1,
+        weights,
+        f"{weightsync_backend.name} scalar and empty {dtype_name(dtype)}",
+        rerun_hint(request),
+    )
+
+
 @given(sizes=st.lists(st.integers(0, 5000), min_size=2, max_size=12))
 def test_many_tensors_across_buckets(
     weightsync_deployment, weightsync_backend, sizes, request, weightsync_example_counter

@@ -31,9 +31,11 @@ from harness.api import (
     WeightSyncError,
 )
 from harness.checks import assert_bitwise_equal
-from harness.deployment import deliver
+from harness.deployment import deliver, transfer
 
 READY, UPDATING, FAILED = "ready", "updating", "failed"
+#: what a sender may raise in prepare for each bad kind of data (see _update)
+SENDER_REFUSALS = {"unknown": UnknownTensorError, "bad_shape": ManifestMismatch}
 
 
 def _expect(exc_type, fn, *args):
@@ -120,9 +122,16 @@ def make_machine(deployment, counter):
             if expected is None:
                 deliver(deployment, version, weights)
                 self.staged = (version, weights)
-            else:
-                _expect(expected, deliver, deployment, version, weights)
-                self.state, self.staged = FAILED, None
+                return
+            # A sender may refuse what it can judge alone (an unknown name or a wrong shape, against the
+            # model it syncs) in prepare, before the data plane: no receiver saw the version, so their
+            # update stays as it was. Only the refusal the data deserves counts; anything else is wrong.
+            try:
+                update_info = deployment.sender.prepare(version, weights)
+            except SENDER_REFUSALS.get(kind, ()):
+                return
+            _expect(expected, transfer, deployment, version, update_info)
+            self.state, self.staged = FAILED, None
 
         @rule()
         def finish(self):

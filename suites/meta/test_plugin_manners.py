@@ -114,3 +114,47 @@ def test_not_supported_is_a_status_of_its_own_and_an_ordinary_skip_stays_a_skip(
     }, statuses
     short = pytester.runpytest_subprocess(*args)
     short.stdout.fnmatch_lines(["test_caps.py Ns*"])
+
+
+def test_a_known_failure_is_a_strict_xfail_and_its_fix_fails_the_run(pytester):
+    """--weightsync-xfails-file: a listed test that fails is xfailed with the file's reason; a listed test that
+    passes (the framework fixed it) is an XPASS that fails the run; a malformed line is a usage error."""
+    pytester.makepyfile(
+        test_known="""
+        import pytest
+
+        @pytest.mark.parametrize("n", [1, 2])
+        def test_still_broken(n):
+            assert n < 0, f"n={n}"
+
+        @pytest.mark.parametrize("dtype", ["BF16", "F8"])
+        def test_broken_for_one_dtype(dtype):
+            assert dtype == "F8"
+
+        def test_fixed_upstream():
+            pass
+
+        def test_unlisted():
+            pass
+        """
+    )
+    xfails = pytester.path / "xfails.txt"
+    xfails.write_text(
+        "# known failures\n\n"
+        "test_known.py::test_still_broken  # finding 1: negative n only\n"
+        "test_known.py::test_fixed_upstream  # finding 2\n"
+        "test_known.py::test_broken_for_one_dtype[*BF16]  # finding 3\n"
+    )
+    args = ("-p", "no:randomly", "-p", "no:cacheprovider", "--weightsync-backend=disk", "-rxX")
+    result = pytester.runpytest_subprocess(*args, f"--weightsync-xfails-file={xfails}")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("xfailed") == 3 and outcomes.get("failed") == 1, outcomes
+    assert outcomes.get("passed") == 2, outcomes  # test_unlisted, test_broken_for_one_dtype[F8]
+    result.stdout.fnmatch_lines(
+        ["*XPASS(strict)*known failure: finding 2*", "*known failure: finding 1: negative n only*"]
+    )
+    assert result.ret == 1
+    xfails.write_text("test_still_broken is broken\n")
+    bad = pytester.runpytest_subprocess(*args, f"--weightsync-xfails-file={xfails}")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR, bad.stderr.str()
+    bad.stderr.fnmatch_lines(["*xfails.txt:1: 'test_still_broken is broken' is not a test id*"])
