@@ -56,10 +56,16 @@ BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
 
 
 def run_conformance(
-    backend: str, engine: str, out: Path, profile: str, receivers: str, suite: str = "conformance"
+    backend: str,
+    engine: str,
+    out: Path,
+    profile: str,
+    receivers: str,
+    suite: str = "conformance",
+    xfails_file: str | None = None,
 ) -> dict:
     """Run a suite (conformance, or the fault matrix) against one backend in a fresh interpreter;
-    returns its results JSON."""
+    returns its results JSON. `xfails_file`: the backend's known failures (--weightsync-xfails-file)."""
     results = out / f"{suite}-{_slug(backend)}.json"
     cmd = [
         sys.executable,
@@ -76,6 +82,8 @@ def run_conformance(
         f"--weightsync-hypothesis-profile={profile}",
         f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
     ]
+    if xfails_file:
+        cmd.append(f"--weightsync-xfails-file={Path(xfails_file).resolve()}")
     if run_device() != "cpu":  # the rerun commands name it too
         cmd.append(f"--weightsync-device={run_device()}")
     if suite == "faults":
@@ -190,10 +198,12 @@ def certify(args: argparse.Namespace) -> int:
     command = "weightsync " + shlex.join(sys.argv[1:])
     results, faults, rows, missing = {}, {}, [], []
     for name, backend in backends.items():
-        results[name] = run_conformance(name, args.engine, out, args.profile, args.receivers)
+        results[name] = run_conformance(
+            name, args.engine, out, args.profile, args.receivers, xfails_file=args.xfails_file
+        )
         if not args.no_faults:
             faults[name] = run_conformance(
-                name, args.engine, out, args.profile, args.receivers, suite="faults"
+                name, args.engine, out, args.profile, args.receivers, "faults", args.xfails_file
             )
         if not args.no_bench:
             limit = engine_caps.max_receivers if bench_engine_name == args.engine else 2
@@ -415,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         "defaults in harness.bench.CPU_FLOORS; see docs/performance.md)",
     )
     c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
+    c.add_argument(
+        "--xfails-file",
+        default=None,
+        help="known failures of the code under test, one test id per line with '# reason' (as pytest's "
+        "--weightsync-xfails-file): listed in the report as known, not failing the verdict; one that passes "
+        "(fixed upstream) fails it",
+    )
     c.add_argument("--device", default="cpu", help=DEVICE_HELP)
     b = sub.add_parser(
         "bench", help="throughput, breakdown and scaling tables with plots; gated by ratio floors"

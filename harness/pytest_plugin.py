@@ -566,13 +566,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             reason = _skip_reason(report)
             status = "not_supported" if _is_not_supported(report) else "skipped"
             if hasattr(report, "wasxfail"):
-                status = "xfailed"
+                status, reason = "xfailed", report.wasxfail
         elif hasattr(report, "wasxfail"):
             status = "xpassed"
         rec = outcomes_of(item.config).setdefault(item.nodeid, {})
         if status == "skipped" and UNKNOWN in reason:
             status = "unknown"  # a fault cell that could not run: never counted as passed
         rec.update(status=status, duration_s=round(report.duration, 3))
+        if status == "xfailed":
+            rec["reason"] = reason  # a known failure: the report lists it with its reason
         if report.failed:
             text = str(report.longrepr)
             rec["message"] = text[-2000:]

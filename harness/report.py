@@ -109,6 +109,38 @@ class Decision:
         return EXIT_STATUS[self.verdict]
 
 
+def known_failures(results: dict, faults: dict | None = None) -> list[tuple[str, str, str]]:
+    """(backend, test, reason) of every strict xfail from an xfails file: failures of the code under test
+    the user declared known. They do not fail the verdict; an XPASS (fixed, still listed) does."""
+    return [
+        (b, nodeid, rec.get("reason", ""))
+        for suite in (results, faults or {})
+        for b, res in suite.items()
+        for nodeid, rec in res.get("tests", {}).items()
+        if rec.get("status") == "xfailed"
+    ]
+
+
+def known_failures_section(results: dict, faults: dict | None = None) -> list[str]:
+    known = known_failures(results, faults)
+    if not known:
+        return []
+    md = [
+        "",
+        "## Known failures",
+        "",
+        "Listed in the xfails file: they failed as expected (a fix shows as XPASS,",
+    ]
+    md += [
+        "which fails the verdict until the line goes).",
+        "",
+        "| backend | test | reason |",
+        "| --- | --- | --- |",
+    ]
+    md += [f"| {b} | `{n}` | {reason.removeprefix('known failure: ')} |" for b, n, reason in known]
+    return md
+
+
 def _judge_suite(label: str, res: dict, decision: Decision, must_show: bool) -> None:
     """One suite run (the results JSON of harness.pytest_plugin, as run_conformance returns it)."""
     tests = res.get("tests", {})
@@ -621,6 +653,7 @@ def write_report(
             rerun = pytest_rerun(n, b, engine, receivers, profile)
             md += [f"### {b}: `{n}`", "", f"rerun: `{rerun}`", "", "```", rec.get("message", "")[-1500:]]
             md += ["```", ""]
+    md += known_failures_section(results, faults)
     md += fault_section(faults)
     examples = {
         b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends

@@ -9,7 +9,15 @@ from collections import Counter
 from pathlib import Path
 
 from harness.bench import THROUGHPUT_COLUMNS, throughput_cells
-from harness.report import between_syncs_kinds, cell, damage_of, fault_cell_text, fault_matrix, matrix
+from harness.report import (
+    between_syncs_kinds,
+    cell,
+    damage_of,
+    fault_cell_text,
+    fault_matrix,
+    known_failures,
+    matrix,
+)
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
@@ -163,6 +171,20 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
                     ],
                 )
             )
+
+    known = known_failures(results, faults)
+    if known:
+        parts.append("<h2>Known failures</h2>")
+        parts.append(
+            "<p>Listed in the xfails file: they failed as expected (a fix shows as XPASS, which fails "
+            "the verdict until the line goes).</p>"
+        )
+        parts.append(
+            _table(
+                ["backend", "test", "reason"],
+                [[b, n, r.removeprefix("known failure: ")] for b, n, r in known],
+            )
+        )
 
     counts = {b: Counter(rec.get("status") for rec in results[b].get("tests", {}).values()) for b in backends}
     parts.append("<h2>Counts</h2>")

@@ -278,3 +278,17 @@ def test_damage_between_syncs_gets_rows_of_its_own_with_what_was_damaged(tmp_pat
     assert "**FAIL** 1/1" in between, md
     page = (tmp_path / "report.html").read_text()
     assert "Damage between syncs" in page and "unlinked from /dev/shm" in page
+
+
+def test_known_failures_are_listed_with_their_reason_and_an_xpass_fails(tmp_path):
+    """certify --xfails-file: a strict xfail is a known failure (listed, the verdict unharmed); an XPASS, a
+    listed failure that no longer fails, fails the verdict."""
+    suite = _suite("passed", "xfailed")
+    suite["tests"][f"{NODE[:-8]}1]"]["reason"] = "known failure: finding 7: scalars"
+    write_report(tmp_path, {"disk": suite}, [], "weightsync certify --backend disk --xfails-file x.txt", {})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["verdict"] == "PASS", data["reasons"]
+    md = (tmp_path / "report.md").read_text()
+    assert "## Known failures" in md and "| finding 7: scalars |" in md, md
+    assert "finding 7: scalars" in (tmp_path / "report.html").read_text()
+    assert decide({"disk": _suite("passed", "xpassed")}, {}, []).verdict == "FAIL"
