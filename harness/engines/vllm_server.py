@@ -37,7 +37,7 @@ from harness.api import (
     TokenEvent,
 )
 from harness.engines.vllm_adapter import VllmEngine, harness_error, parse_version
-from harness.engines.vllm_settings import DEFAULT_KV_CACHE_BYTES, VllmSettings
+from harness.engines.vllm_settings import BACKEND, DEFAULT_KV_CACHE_BYTES, VllmSettings
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -62,6 +62,7 @@ class VllmServerProcess:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,
         python: str = sys.executable,
+        weight_transfer: str = BACKEND,
     ):
         self.model_dir = Path(model_dir)
         self.workdir = Path(workdir)
@@ -71,7 +72,7 @@ class VllmServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
-        settings = VllmSettings(dtype, max_model_len, max_num_seqs, kv_cache_bytes, seed)
+        settings = VllmSettings(dtype, max_model_len, max_num_seqs, kv_cache_bytes, seed, weight_transfer)
         self.cmd = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             *settings.server_args(self.model_dir),

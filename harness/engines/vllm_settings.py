@@ -31,6 +31,8 @@ class VllmSettings:
     max_num_seqs: int = 8
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     seed: int = 0
+    #: vLLM's weight-transfer engine: the harness's own file transport, or one of vLLM's (an adapter's "nccl")
+    weight_transfer: str = BACKEND
 
     def llm_kwargs(self, model_dir: str | os.PathLike) -> dict[str, Any]:
         """Keyword arguments of vLLM's `LLM` (the in-process form; one process, uni executor)."""
@@ -45,7 +47,7 @@ class VllmSettings:
             "kv_cache_memory_bytes": self.kv_cache_bytes,
             "distributed_executor_backend": "uni",
             "worker_extension_cls": EXTENSION,
-            "weight_transfer_config": {"backend": BACKEND},
+            "weight_transfer_config": {"backend": self.weight_transfer},
         }
 
     def server_args(self, model_dir: str | os.PathLike) -> list[str]:
@@ -60,7 +62,7 @@ class VllmSettings:
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--seed", str(self.seed),
             "--worker-extension-cls", EXTENSION,
-            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            "--weight-transfer-config", json.dumps({"backend": self.weight_transfer}),
         ]  # fmt: skip
 
 
