@@ -3,7 +3,7 @@
 - `schemas`: the strict request bodies (pydantic, extra=forbid) and the validators shared by both ends.
 - `routes`: the one route table (method, path, body, query, precondition, handler, error statuses) that
   the server registers, its OpenAPI document lists, the client checks its calls against, and the fuzz
-  test enumerates.
+  test enumerates; `table(vllm_api)` is a vLLM API level's ("0.32", the default, or "rfc45585").
 - `server`: `ControlServer` (the operations behind each route, app assembly). Its rooms: `errors` (vLLM's error object, the exception -> status map),
   `guard` (token and body limit, before routing), `idempotency` (Idempotency-Key replays), `streaming`
   (/v1/completions and /abort_requests).

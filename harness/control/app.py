@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from harness.api import Engine, Receiver
+from harness.control import routes
 from harness.control.limits import ACCEPT_BACKLOG, ClientLimits, bounded_h11_protocol
+from harness.control.routes import DEFAULT_VLLM_API, VLLM_API_LEVELS
 from harness.control.server import (
     DEFAULT_HOST,
     LOOPBACK_HOSTS,
@@ -173,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="seconds between ': keepalive' comments on an idle stream (default: none, as vLLM)",
     )
+    ap.add_argument(
+        "--vllm-api",
+        default=DEFAULT_VLLM_API,
+        metavar="LEVEL",
+        help=f"which vLLM's RL routes to serve: {' or '.join(VLLM_API_LEVELS)} (the RL CI-matrix prototype's "
+        "/weight_update_active, /update_weight_label, weight_gen); default %(default)s",
+    )
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
 
@@ -182,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             f"no token for --host {args.host}: a non-loopback address requires one; set "
             f"{' or '.join(TOKEN_VARIABLES)} or pass --token-file"
         )
+    try:
+        routes.check_level(args.vllm_api)
+    except ValueError as exc:
+        ap.error(str(exc))
     engine = make_engine(args.engine, None)
     receiver = load_object(RECEIVERS.get(args.path, args.path))(engine)
     cfg = ServerConfig(
@@ -197,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world_size,
         model_name=args.served_model_name,
         keepalive_s=args.sse_keepalive,
+        vllm_api=args.vllm_api,
     )
     limits = ClientLimits(args.header_timeout, args.body_timeout, args.max_connections)
     thread = ServerThread(
@@ -207,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             f"weightsync control server: authentication is off (no token; {args.host} is loopback)",
             flush=True,
         )
+    if cfg.vllm_api != DEFAULT_VLLM_API:
+        print(f"weightsync control server: vLLM API level {cfg.vllm_api}", flush=True)
     print(f"weightsync control server listening on {thread.url}", flush=True)
     try:
         while thread._thread.is_alive():

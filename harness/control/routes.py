@@ -4,6 +4,11 @@ the error statuses each route can answer.
 The server registers its handlers from it (`register`), its OpenAPI document lists each route's
 body and error answers from it, the client checks every call it makes against it, and the fuzz
 test (suites/control/test_fuzz.py) enumerates its routes from it, so the four cannot drift apart.
+
+`ROUTES` is the table of the default vLLM API level, 0.32. `table(vllm_api)` is the table of a level:
+"rfc45585" adds the routes and answers of the RL CI-matrix prototype (vLLM RFC #45585; not merged into
+vLLM main, whose router has none of them): GET /weight_update_active, POST
+/update_weight_label, `weight_label` in the finish body, and a 500 for a start before init.
 """
 
 from __future__ import annotations
@@ -44,14 +49,15 @@ class Route:
     precondition: str | None = None
     errors: frozenset[int] = frozenset()
     keyed: bool = False  # honours Idempotency-Key: a retry gets the first answer
-    vllm: bool = True  # vLLM 0.32 serves it too
+    vllm: bool = True  # vLLM serves it too (at the table's API level)
 
     @property
     def mutating(self) -> bool:
         return self.method != "GET"
 
     def error_statuses(self, auth: bool = True) -> frozenset[int]:
-        """Every non-2xx status this route answers by design (500 is a bug, never declared)."""
+        """Every non-2xx status this route answers by design (500 is a bug, never declared, except where
+        an API level copies vLLM's: rfc45585's start before init)."""
         statuses = set(COMMON | self.errors)
         if self.mutating:
             statuses |= POST_COMMON
@@ -120,25 +126,91 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/stats", "on_stats", "Request and commit counters", vllm=False),
 )  # fmt: skip
 
+# ------------------------------------------------------------------------------------- API levels
+# Which vLLM's routes the server speaks (ServerConfig.vllm_api, --vllm-api). "0.32": vLLM 0.32's RL
+# router; vLLM main's (vllm/entrypoints/rl/online/api_router.py) has none of rfc45585's routes either,
+# and its /weight_info still answers {"weight_version"}. "rfc45585": the
+# prototype of vLLM's RL CI matrix (RFC #45585: tests/entrypoints/serve/dev/rlhf/test_weight_info.py,
+# test_state_machine_enforcement.py), which RFC #48306 records as "not upstreamed to vLLM main".
+VLLM_API_LEVELS = ("0.32", "rfc45585")
+DEFAULT_VLLM_API = "0.32"
+
+# A level's changes to ROUTES, by (method, path): the fields it replaces.
+_LEVEL_CHANGES: dict[str, dict[tuple[str, str], dict[str, Any]]] = {
+    "rfc45585": {
+        # start before init: vLLM's worker raises "Weight transfer not configured" (500); a double start
+        # is the state machine's 409
+        ("POST", "/start_weight_update"): {"errors": _s(409, 500)},
+        # finish takes the label its answer and /weight_info report
+        ("POST", "/finish_weight_update"): {"body": schemas.FinishWeightUpdateLabelBody},
+        ("GET", "/weight_info"): {
+            "summary": "weight_gen (finishes so far) and weight_label (the prototype's answer)"
+        },
+    },
+}
+# A level's routes beyond ROUTES.
+_LEVEL_ROUTES: dict[str, tuple[Route, ...]] = {
+    "rfc45585": (
+        Route(
+            "GET",
+            "/weight_update_active",
+            "on_weight_update_active",
+            "Whether a weight update is open (started, not finished or aborted)",
+        ),
+        Route(
+            "POST",
+            "/update_weight_label",
+            "on_update_weight_label",
+            "Set weight_label without changing weight_gen",
+            schemas.UpdateWeightLabelBody,
+            body_required=True,
+            keyed=True,
+        ),
+    ),
+}
+
+
+def check_level(vllm_api: str) -> str:
+    """`vllm_api` if it names a level, else a ValueError saying which there are."""
+    if vllm_api in VLLM_API_LEVELS:
+        return vllm_api
+    hint = ""
+    if vllm_api in ("main", "nightly", "dev"):
+        hint = (
+            f"; vLLM {vllm_api}'s RL router has 0.32's routes (no /weight_update_active, no weight_gen): "
+            "use '0.32'. 'rfc45585' is the RL CI-matrix prototype with those routes, not merged into main"
+        )
+    raise ValueError(f"vllm_api {vllm_api!r}: must be one of {list(VLLM_API_LEVELS)}{hint}")
+
+
+def table(vllm_api: str = DEFAULT_VLLM_API) -> tuple[Route, ...]:
+    """The route table of one vLLM API level: ROUTES with the level's changes, then its own routes."""
+    changes = _LEVEL_CHANGES.get(check_level(vllm_api), {})
+    changed = tuple(dataclasses.replace(r, **changes.get((r.method, r.path), {})) for r in ROUTES)
+    return changed + _LEVEL_ROUTES.get(vllm_api, ())
+
+
 _BY_KEY = {(r.method, r.path): r for r in ROUTES}
 
 
-def find(method: str, path: str) -> Route | None:
-    return _BY_KEY.get((method.upper(), path))
+def find(method: str, path: str, vllm_api: str = DEFAULT_VLLM_API) -> Route | None:
+    if vllm_api == DEFAULT_VLLM_API:
+        return _BY_KEY.get((method.upper(), path))
+    return next((r for r in table(vllm_api) if (r.method, r.path) == (method.upper(), path)), None)
 
 
-def route(method: str, path: str) -> Route:
+def route(method: str, path: str, vllm_api: str = DEFAULT_VLLM_API) -> Route:
     """The table's route, or a ValueError naming the routes there are (a call the table lacks is a bug)."""
-    found = find(method, path)
+    found = find(method, path, vllm_api)
     if found is None:
-        known = sorted(f"{r.method} {r.path}" for r in ROUTES)
+        known = sorted(f"{r.method} {r.path}" for r in table(vllm_api))
         raise ValueError(f"{method} {path} is not in harness.control.routes.ROUTES: {known}")
     return found
 
 
-def check_call(method: str, path: str, params: Iterable[str] = ()) -> Route:
+def check_call(method: str, path: str, params: Iterable[str] = (), vllm_api: str = DEFAULT_VLLM_API) -> Route:
     """A client's call against the table: the route exists and takes these query parameters."""
-    r = route(method, path)
+    r = route(method, path, vllm_api)
     unknown = sorted(set(params) - set(r.query))
     if unknown:
         raise ValueError(f"{method} {path} takes query parameters {list(r.query)}, not {unknown}")

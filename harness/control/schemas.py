@@ -35,6 +35,7 @@ MAX_ABORT_IDS = 4096
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")  # what vLLM's /wake_up?tags= may name
 INITIAL_VERSION_LABEL = "default"  # vLLM's /weight_info before any labelled version
+INITIAL_WEIGHT_LABEL = ""  # the rfc45585 level's weight_label before any is set
 
 
 class BadRequest(ValueError):
@@ -221,6 +222,16 @@ class FinishWeightUpdateBody(_Strict):
 
 class UpdateWeightVersionBody(_Strict):
     new_version: VersionLabel
+
+
+# vLLM API level "rfc45585" (harness.control.routes.table): the prototype's free-form `weight_label`
+# ("step-1500", "" before any) is held to the version-label pattern here, as every label is.
+class FinishWeightUpdateLabelBody(FinishWeightUpdateBody):
+    weight_label: VersionLabel | None = None
+
+
+class UpdateWeightLabelBody(_Strict):
+    weight_label: VersionLabel
 
 
 class AbortRequestsBody(_Strict):

@@ -20,6 +20,10 @@ Beyond vLLM (vLLM's dev routes have no auth at all):
 - extensions (the table's `vllm=False` routes): /abort_weight_update, /weight_spec, /weight_status
   (the engine version, an open update, this server's name), /stats.
 
+`ServerConfig.vllm_api` names the vLLM API level: "0.32" (the default) or "rfc45585", the RL CI-matrix
+prototype's routes (/weight_update_active, /update_weight_label, weight_gen and weight_label in
+/weight_info); `harness.control.routes.table` has each level's routes.
+
 Tensors never cross HTTP: update_info carries the manifest and the data plane's coordinates, and the
 receiver fetches the bytes itself. Every blocking engine or receiver call runs in a worker thread,
 so a long /pause?mode=wait or a slow data plane never stalls the event loop.
@@ -137,8 +141,11 @@ class ServerConfig:
     world_size: int = 1  # /get_world_size: inference workers behind this server (TP x PP)
     worker_index: int = 0  # which element of a list update_info is this server's (vLLM: its global rank)
     workdir: Path | None = None  # where /sleep offloads weights; None: a temporary directory
+    # which vLLM's routes and answers: "0.32" or "rfc45585" (harness.control.routes.VLLM_API_LEVELS)
+    vllm_api: str = routes.DEFAULT_VLLM_API
 
     def __post_init__(self) -> None:
+        routes.check_level(self.vllm_api)
         if self.token is None:
             if not is_loopback(self.host):
                 raise ValueError(
@@ -175,6 +182,11 @@ class ControlServer(Completions):
         # the server reads it to answer 409 before a body is read, and to recognise a retried finish.
         self.lifecycle = lifecycle.Lifecycle()
         self._label: str | None = None  # vLLM-style version label, reported by /weight_info
+        # the rfc45585 level's weight version: finishes that committed (monotonic), and the client's label
+        self._gen = 0
+        self._weight_label = schemas.INITIAL_WEIGHT_LABEL
+        self.routes = routes.table(config.vllm_api)
+        self._finish_body = next(r.body for r in self.routes if r.path == "/finish_weight_update")
         self._asleep: set[str] = set()  # what /sleep put to sleep and /wake_up has not woken yet
         self._sleep_level = 0
         self._own_workdir = config.workdir is None
@@ -276,12 +288,29 @@ class ControlServer(Completions):
             self.lifecycle.to(lifecycle.READY)
         return {"message": "Weight transfer initialized"}
 
+    @property
+    def _rfc45585(self) -> bool:
+        return self.config.vllm_api == "rfc45585"
+
     def _start(self) -> dict[str, Any]:
         if "weights" in self._asleep:
             raise EngineStateError(
                 "start_weight_update: the engine is asleep (weights offloaded); wake_up first"
             )
         with self._state_lock:
+            if self._rfc45585 and self.lifecycle.state == lifecycle.NEW:
+                # vLLM's worker raises before its state machine is touched; its catch-all answers 500
+                raise ApiError(
+                    500,
+                    "InternalServerError",
+                    "start_weight_update: weight transfer not configured; call init_weight_transfer_engine first",
+                )
+            if self._rfc45585 and self._updating:
+                # the prototype's state machine: open until finish, a refused part included (0.32 restarts)
+                raise LifecycleError(
+                    "start_weight_update called while a weight update is already in progress; call "
+                    "finish_weight_update (or abort_weight_update) first"
+                )
             self.receiver.start_weight_update()
             self.lifecycle.to(lifecycle.UPDATING)
         return {"message": "Weight update started"}
@@ -335,18 +364,14 @@ class ControlServer(Completions):
             self.lifecycle.accepted(int(update_info["manifest"]["version"]))
         return {"message": "Weights updated"}
 
-    def _finish(self, weight_version: int | str | None) -> dict[str, Any]:
+    def _finish(self, weight_version: int | str | None, weight_label: str | None = None) -> dict[str, Any]:
         version, label = schemas.parse_version(weight_version)
         with self._state_lock:
             committed = self.engine.weight_version
             if version is not None and version == committed and not self._updating:
                 # a retry of a finish that already landed (its answer was lost): recognised, not re-applied
                 self.counters["finish_recognised"] += 1
-                return {
-                    "message": "Weight update finished",
-                    "weight_version": str(version),
-                    "already_committed": True,
-                }
+                return self._finish_answer(str(version), already_committed=True)
             if version is not None and version <= committed:
                 # with an update open this is no retry: answering 200 would report a commit that never ran
                 staged = self.lifecycle.version
@@ -374,12 +399,19 @@ class ControlServer(Completions):
                 raise
             self.lifecycle.to(lifecycle.READY)
             self._label = label
+            self._gen += 1  # after the commit landed: no window where gen is ahead of the weights
+            if weight_label is not None:
+                self._weight_label = weight_label
             self.counters["commits"] += 1
-        return {
-            "message": "Weight update finished",
-            "weight_version": label or str(version),
-            "already_committed": False,
-        }
+            return self._finish_answer(label or str(version), already_committed=False)
+
+    def _finish_answer(self, weight_version: str, already_committed: bool) -> dict[str, Any]:
+        """0.32's answer plus ours (`weight_version`, `already_committed`); rfc45585 adds its
+        `weight_gen` and `weight_label` (a recognised retry reports them unchanged)."""
+        answer: dict[str, Any] = {"message": "Weight update finished"}
+        if self._rfc45585:
+            answer |= {"weight_gen": self._gen, "weight_label": self._weight_label}
+        return answer | {"weight_version": weight_version, "already_committed": already_committed}
 
     def _abort_update(self) -> dict[str, Any]:
         with self._state_lock:
@@ -421,7 +453,10 @@ class ControlServer(Completions):
         return self._label or (schemas.INITIAL_VERSION_LABEL if committed == 0 else str(committed))
 
     def weight_info(self) -> dict[str, Any]:
-        """vLLM's /weight_info, exactly."""
+        """vLLM's /weight_info, exactly: the label at 0.32; at rfc45585 the prototype's
+        `{"weight_gen", "weight_label"}` (finishes committed so far, the client's label)."""
+        if self._rfc45585:
+            return {"weight_gen": self._gen, "weight_label": self._weight_label}
         return {"weight_version": self.version_label()}
 
     def weight_status(self) -> dict[str, Any]:
@@ -434,7 +469,7 @@ class ControlServer(Completions):
             "update_in_progress": self._updating,
             "server": SERVER_NAME,
             "idempotency_keys": True,
-        }
+        } | ({"weight_gen": self._gen, "weight_label": self._weight_label} if self._rfc45585 else {})
 
     # ------------------------------------------------------------------ sleep and weight checks
     def _offload_path(self) -> Path:
@@ -526,7 +561,7 @@ class ControlServer(Completions):
         if self._updating:
             return
         try:
-            early = await self._body(request, schemas.FinishWeightUpdateBody, required=False)
+            early = await self._body(request, self._finish_body, required=False)
             named = schemas.parse_version(early.weight_version)[0]
         except (ApiError, BadRequest):
             named = None
@@ -559,7 +594,8 @@ class ControlServer(Completions):
         return await self._mutation(request, body, lambda: self._update(info))
 
     async def on_finish(self, request: Request, q: dict[str, Any], body: schemas.FinishWeightUpdateBody):
-        return await self._mutation(request, body, lambda: self._finish(body.weight_version))
+        label = getattr(body, "weight_label", None)  # the rfc45585 level's body has it
+        return await self._mutation(request, body, lambda: self._finish(body.weight_version, label))
 
     async def on_abort_update(self, request: Request, q: dict[str, Any], body: Any):
         return await self._mutation(request, body, self._abort_update)
@@ -581,6 +617,21 @@ class ControlServer(Completions):
 
     async def on_weight_status(self, request: Request, q: dict[str, Any], body: Any):
         return await self._in_thread(self.weight_status, self._query_pool)
+
+    async def on_weight_update_active(self, request: Request, q: dict[str, Any], body: Any):
+        """rfc45585: an update is open from a start until its finish (or our abort), a refused part
+        included; a finish refused for its version leaves it open."""
+        return {"weight_update_active": self._updating}
+
+    async def on_update_weight_label(
+        self, request: Request, q: dict[str, Any], body: schemas.UpdateWeightLabelBody
+    ):
+        def op() -> dict[str, Any]:
+            with self._state_lock:
+                self._weight_label = body.weight_label
+                return {"weight_gen": self._gen, "weight_label": self._weight_label}
+
+        return await self._mutation(request, body, op)
 
     async def on_weight_checker(self, request: Request, q: dict[str, Any], body: schemas.WeightCheckerBody):
         return await self._mutation(request, body, lambda: self._weight_checker(body))
@@ -652,7 +703,7 @@ class ControlServer(Completions):
             title="weightsync control plane", description=__doc__, version="1", docs_url=None, redoc_url=None
         )
         install_handlers(app)
-        for r in routes.ROUTES:
+        for r in self.routes:
             app.add_api_route(
                 r.path,
                 self._endpoint(r),
@@ -660,11 +711,11 @@ class ControlServer(Completions):
                 summary=r.summary,
                 responses=routes.openapi_responses(r, self.config.auth, ErrorResponse),
             )
-        self._document_bodies(app, auth=self.config.auth)
+        self._document_bodies(app, auth=self.config.auth, table=self.routes)
         return app
 
     @staticmethod
-    def _document_bodies(app: FastAPI, auth: bool) -> None:
+    def _document_bodies(app: FastAPI, auth: bool, table: tuple[routes.Route, ...] = routes.ROUTES) -> None:
         """Bodies are parsed by hand (strictly); put the table's body schemas in the OpenAPI document."""
 
         def openapi() -> dict[str, Any]:
@@ -676,7 +727,7 @@ class ControlServer(Completions):
                 title=app.title, version=app.version, description=app.description, routes=app.routes
             )
             components = doc.setdefault("components", {}).setdefault("schemas", {})
-            for r in routes.ROUTES:
+            for r in table:
                 request_body = routes.openapi_request_body(r)
                 if request_body is None:
                     continue
