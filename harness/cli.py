@@ -3,6 +3,8 @@
     weightsync certify                      # every reference path -> reports/certify-<stamp>/
     weightsync certify --backend mypkg.sync:make_backend --engine reference
     weightsync bench --backend broadcast --sizes-mib 16 64 256 --receivers 1 2 3   # -> reports/bench-<stamp>/
+    weightsync cost --params 7e9 --results reports/.../results.json   # sync cost per step and placement advice
+    torchrun --nproc-per-node=4 -m harness.cli validate-cluster --trainer-ranks 0 --rollout-ranks 1-3
 
 Exit status of certify (bench: the same, less 3):
   0  PASS              every piece of evidence was taken and none failed
@@ -383,6 +385,27 @@ def default_backends(device: str) -> list[str]:
     return [n for n, path in BUILTIN_GPU_BACKENDS.items() if not (one_gpu and "nccl" in path)]
 
 
+def add_cost_parser(sub) -> None:
+    """`weightsync cost`; its options live in harness/cost.py, beside the arithmetic they feed."""
+    from harness.cost import DESCRIPTION, add_arguments
+
+    add_arguments(
+        sub.add_parser(
+            "cost",
+            help="sync overhead per step and per run (GPU-hours, money); collocated vs disaggregated placement",
+            description=DESCRIPTION,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+
+
+def cost(args: argparse.Namespace) -> int:
+    """Exit 0 with the figures on stdout, 2 for a value the arithmetic cannot use (named)."""
+    from harness.cost import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     usage, _, exits = __doc__.partition("Exit status")
     parser = argparse.ArgumentParser(
@@ -468,7 +491,21 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--floor", action="append", default=[], metavar="PATH=RATIO")
     b.add_argument("--out", default="reports")
     b.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    add_cost_parser(sub)
+    sub.add_parser(
+        "validate-cluster",
+        help="under torchrun on every node: every trainer->rollout link and broadcast against the fabric's "
+        "rating, a conformance smoke, a verdict (harness.validate_cluster; its own --help)",
+        add_help=False,
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validate-cluster"]:  # its options are its module's own (every rank parses them)
+        from harness.validate_cluster import main as validate_cluster
+
+        return validate_cluster(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "cost":  # arithmetic only: no device, no suite
+        return cost(args)
     if argv is None:  # the command itself (not a caller's process): a supervisor's SIGTERM (`timeout`)
         # unwinds like Ctrl-C, so a running suite is stopped and its hung test recorded
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiproc
 
 def _run(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    cmd += ["-m", "harness.validate_cluster", "--trainer-ranks", "0", "--rollout-ranks", "1-3"]
+    cmd += ["-m", "harness.cli", "validate-cluster", "--trainer-ranks", "0", "--rollout-ranks", "1-3"]
     cmd += ["--sizes-mib", "1", "4", "--repeats", "2", "--out", str(tmp_path), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     report = tmp_path / "validate-cluster.json"
