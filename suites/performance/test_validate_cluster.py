@@ -25,9 +25,10 @@ def _run(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 def test_four_ranks_measure_every_link_and_pass_the_smoke(tmp_path):
-    proc, report = _run(tmp_path)
+    # --peer-share 0: loopback links on a shared 2-core host differ by load alone; the peer check has a test below
+    proc, report = _run(tmp_path, "--peer-share", "0")
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and report["verdict"] == "PASS", out[-3000:]
+    assert proc.returncode == 0 and report["verdict"] == "PASS", f"{report['reasons']}\n{proc.stdout[-3000:]}"
     kinds = sorted((link["kind"], tuple(link["dst"]), link["size_bytes"]) for link in report["links"])
     expected = [("broadcast", (1, 2, 3), s) for s in (1 << 20, 4 << 20)]
     expected += [("p2p", (r,), s) for r in (1, 2, 3) for s in (1 << 20, 4 << 20)]
@@ -38,7 +39,7 @@ def test_four_ranks_measure_every_link_and_pass_the_smoke(tmp_path):
 
 def test_a_rating_the_links_cannot_reach_fails_naming_each_link(tmp_path):
     proc, report = _run(tmp_path, "--rating-gbps", "100000")  # 100 Tb/s: no loopback reaches half of it
-    assert proc.returncode != 0 and report["verdict"] == "FAIL", proc.stdout[-3000:]
+    assert proc.returncode != 0 and report["verdict"] == "FAIL", f"{report['reasons']}\n{proc.stdout[-3000:]}"
     for dst in (1, 2, 3):
         assert any(
             f"-> rank {dst} (" in r and "below the floor 5625.000 GB/s" in r for r in report["reasons"]
