@@ -629,7 +629,7 @@ class Backend(abc.ABC):
     #: The raw transport that bounds this path, measured beside it by `weightsync bench` and `certify`:
     #: one of CEILING_KINDS ("device-copy": a copy on the same GPU; "p2p-copy": a copy between two GPUs;
     #: "nccl" / "gloo": a bare broadcast of the path's own bucket plan to the same ranks; "disk": file
-    #: write + fsync + read; "memcpy": a host copy). None: the harness guesses by the backend's type.
+    #: write + fsync, then mapped by every receiver; "memcpy": a host copy). None: the harness guesses by the backend's type.
     ceiling: str | None = None
 
     @abc.abstractmethod

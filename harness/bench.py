@@ -3,7 +3,7 @@
 One row per (path, receivers, size), nccl-tests style: time is the median full lifecycle (start,
 deliver, finish on every engine), algbw = bytes / time, and #wrong counts tensors that did not arrive
 bit for bit (checked in the same run). The ceiling is the raw transport without the harness: file
-write + fsync + read for disk, a bare gloo broadcast of the path's own messages (its bucket plan) to
+write + fsync, then mapped by every receiver, for disk; a bare gloo broadcast of the path's own messages (its bucket plan) to
 receiver processes for broadcast, warm copies for ipc.
 """
 
