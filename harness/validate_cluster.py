@@ -136,6 +136,7 @@ def smoke(trainers, groups, device, seed: int = 0) -> list[str]:
     group = dist.new_group(members)
     failures: list[str] = []
     if rank in members:
+        root = rank == trainers[0]
         gen = torch.Generator().manual_seed(seed)
         shapes = {"embed.weight": (512, 64), "layer.0.weight": (64, 64), "layer.0.bias": (64,), "scale": ()}
         full = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
@@ -143,34 +144,26 @@ def smoke(trainers, groups, device, seed: int = 0) -> list[str]:
         flat = patched["embed.weight"].view(-1)
         idx = torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 100]  # ~1 % changed, as per step
         flat[idx] = torch.randn(len(idx), generator=gen).to(torch.bfloat16)
-        for version, weights in ((1, full), (2, patched)):
-            manifest = Manifest.build(version, weights)
-            received = {}
-            for name, tensor in weights.items():
-                if version == 2 and name != "embed.weight":
-                    received[name] = tensor  # unchanged by the patch: kept from version 1
-                    continue
-                if version == 2:  # the patch: indices and values only
-                    sent_idx, sent_val = idx.to(device).clone(), flat[idx].to(device).clone()
-                    if rank != trainers[0]:
-                        sent_idx.zero_(), sent_val.zero_()
-                    dist.broadcast(sent_idx, src=trainers[0], group=group)
-                    dist.broadcast(sent_val, src=trainers[0], group=group)
-                    base = full["embed.weight"].clone().view(-1)
-                    base[sent_idx.cpu()] = sent_val.cpu()
-                    received[name] = base.view(tensor.shape)
-                    continue
-                buf = (
-                    tensor.to(device).clone()
-                    if rank == trainers[0]
-                    else torch.zeros_like(tensor, device=device)
-                )
-                dist.broadcast(buf, src=trainers[0], group=group)
-                received[name] = buf.cpu()
-            if rank != trainers[0]:
-                failures += [
-                    f"rank {rank} version {version}: {n} not bitwise equal" for n in manifest.wrong(received)
-                ]
+
+        def received(tensor: torch.Tensor) -> torch.Tensor:
+            """The trainer's tensor on every member (the others start from zeros: only the fabric fills them)."""
+            buf = tensor.to(device).clone() if root else torch.zeros_like(tensor, device=device)
+            dist.broadcast(buf, src=trainers[0], group=group)
+            return buf.cpu()
+
+        def check(version: int, sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> None:
+            if not root:
+                wrong = Manifest.build(version, sent).wrong(held)
+                failures.extend(f"rank {rank} version {version}: {n} not bitwise equal" for n in wrong)
+
+        # version 1: every tensor whole; version 2: only the patch (indices, values), applied to what each
+        # rank holds from version 1
+        held = {name: received(tensor) for name, tensor in full.items()}
+        check(1, full, held)
+        at, values = received(idx), received(flat[idx])
+        embed = held["embed.weight"].clone()
+        embed.view(-1)[at] = values
+        check(2, patched, {**held, "embed.weight": embed})
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, failures)
     return [f for per_rank in gathered for f in per_rank]
