@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The Docker tier of the fault suite: receiver ranks as containers on a bridge network, real network
-# faults (suites/faults/test_network_docker.py).
-#   .ci/docker-tier.sh [PYTHON]      PYTHON: the interpreter with the project installed (default python3)
+# The Docker tier: receiver ranks as containers on a bridge network, real network
+# faults (suites/faults/test_network_docker.py), and validate-cluster across containers with one link capped
+# by tc tbf (suites/performance/test_validate_cluster_docker.py).
+#   .ci/docker-tier.sh [PYTHON [TEST...]]   PYTHON: the interpreter with the project installed (default python3);
+#                                           TEST: pytest paths or node ids instead of suites/faults suites/performance
 # Installs docker.io + iptables with apt if dockerd or iptables is missing (needs root), starts a private
 # dockerd (own socket and data dirs under /tmp; host networking left alone), runs the tests against it,
 # and always stops the engine it started. Where no engine can start, the tests report skipped
@@ -9,6 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${1:-python3}
+tests=("${@:2}")
+[ ${#tests[@]} -eq 0 ] && tests=(suites/faults suites/performance)
 start=$(date +%s)
 stamp() { echo "== docker tier $(( $(date +%s) - start ))s: $*"; }
 
@@ -62,7 +66,7 @@ fi
 
 export WEIGHTSYNC_DOCKER=1
 log=$(mktemp /tmp/wsf-tier-pytest-XXXXXX.log)
-timeout 1500 "$py" -m pytest -m docker suites/faults -p no:randomly -rs -v --durations=0 2>&1 | tee "$log"
+timeout 1500 "$py" -m pytest -m docker "${tests[@]}" -p no:randomly -rs -v --durations=0 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 if grep -q "unknown: " "$log"; then
   echo "docker tier: SKIPPED, not passed ($(grep -o 'unknown: .*' "$log" | head -1))"

@@ -16,6 +16,8 @@ Tensors only ever travel on the data plane of the path.
 
 Engines expose an oracle, `read_weights()`, that reads the live parameters without going through
 any sync path; the suites compare it with what the trainer sent.
+
+Why one file: these are the contracts a user implements, read from top to bottom with nothing else in between.
 """
 
 from __future__ import annotations

@@ -9,26 +9,21 @@ receiver processes for broadcast, warm copies for ipc.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
-import datetime
 import gc
-import os
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
 import torch
-import torch.distributed as dist
 
 from harness import phases
 from harness.api import Backend, spec_of
+from harness.ceilings import ceiling_kind, make_ceiling
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
 from harness.devices import normalize, run_device
-from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 
 #: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
 #: about 30% under the lowest a 2-core CI VM measured at 64 MiB, in the default tier's own run, on the
@@ -66,6 +61,7 @@ class SyncRow:
     floor: float = 0.0
     ceiling_kind: str = ""  # which raw transport the ceiling is (Backend.ceiling): device-copy, gloo, ...
     device: str = "cpu"  # where the payload and the engines lived
+    backend: str = ""  # the backend as it was named (a factory path); `path` is its display name
     changed: float = 0.0  # delta paths: the fraction of entries each new version changes
     bucket_bytes: int | None = None  # the bucket sweep's bucket size; None: the backend's own
     steps: dict[str, float] = dataclasses.field(default_factory=dict)  # start, prepare, transfer, finish
@@ -103,7 +99,7 @@ class SyncRow:
 
 
 #: The throughput table's columns, as every renderer heads them (the terminal in cli.py, report.md in
-#: report.py, report.html in report_html.py); throughput_cells gives a row's text in this order.
+#: harness/report/markdown_page.py, report.html in harness/report/html_page.py); throughput_cells gives a row's text in this order.
 THROUGHPUT_COLUMNS = (
     "path",
     "rx",
@@ -153,323 +149,6 @@ def payload(
         f"bench.{i}.weight": torch.randn(per, generator=gen, device=device).to(torch.bfloat16)
         for i in range(n_tensors)
     }
-
-
-# ---------------------------------------------------------------------------- ceilings
-class Ceiling:
-    """The raw transport under a path, set up once and timed one repeat at a time, so its repeats can
-    be interleaved with the path's own (a ceiling taken at another moment measures another machine)."""
-
-    def once(self) -> float:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class _ReceiverProcs:
-    """A ceiling's receivers as spawned processes, as the path's receivers are (threads of the trainer
-    measured slower: ~25% for a gloo broadcast, and 3 readers of the page cache lost to 3 rank processes).
-    Each runs `target(conn, *args)`: answers "ready" (or an error), then per "go" does its part of one
-    repeat and answers "done"; "stop" ends it."""
-
-    def __init__(self, target, args_per_receiver: list[tuple], timeout_s: float = 120.0):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        self.timeout_s = timeout_s
-        self.conns, self.procs = [], []
-        for k, args in enumerate(args_per_receiver):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(child, *args), name=f"ceiling-rx{k}", daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-
-    def wait_ready(self) -> None:
-        for k in range(len(self.conns)):
-            answer = self._answer(k)
-            if answer != "ready":
-                raise RuntimeError(f"ceiling receiver {k} could not start: {answer}")
-
-    def go(self) -> None:
-        for conn in self.conns:
-            conn.send("go")
-
-    def wait_done(self) -> None:
-        for k in range(len(self.conns)):
-            if self._answer(k) != "done":
-                raise RuntimeError(f"ceiling receiver {k} failed")
-
-    def _answer(self, k: int):
-        if not self.conns[k].poll(self.timeout_s):
-            raise RuntimeError(f"ceiling receiver {k} gave no answer within {self.timeout_s:g}s")
-        try:
-            return self.conns[k].recv()
-        except EOFError:
-            raise RuntimeError(f"ceiling receiver {k} died ({self.procs[k].exitcode})") from None
-
-    def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send("stop")
-            except OSError:
-                pass
-        for proc in self.procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for conn in self.conns:
-            conn.close()
-        self.conns, self.procs = [], []
-
-
-def _disk_ceiling_reader(conn, paths: list[str], sizes: list[int]) -> None:
-    """A reader of the disk ceiling: per "go", every file mapped with every page populated — the page
-    cache's pages in this process, no copy. That is how the path's receivers read (safetensors maps
-    its files: 64 MiB "loaded" in 0.3 ms, the bytes faulted in as they are verified), and a copy into
-    a buffer (readinto: 25 ms per 64 MiB here) is slower than that, so it would be no ceiling."""
-    import mmap
-
-    conn.send("ready")
-    while conn.recv() == "go":
-        for path, n in zip(paths, sizes, strict=True):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if n:
-                    mmap.mmap(fd, n, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ).close()
-            finally:
-                os.close(fd)
-        conn.send("done")
-
-
-class DiskCeiling(Ceiling):
-    """The same bytes in files of the path's shard size, each written with fsync, then mapped by every
-    receiver process at once: 1 write, N reads, the path's file layout without its format or its commit
-    protocol."""
-
-    def __init__(self, size_bytes: int, directory: str, receivers: int = 1, shard_bytes: int = 1 << 40):
-        self.data = os.urandom(min(size_bytes, 1 << 20)) * max(1, size_bytes // (1 << 20))
-        step = max(1, min(shard_bytes, len(self.data)))
-        self.chunks = [memoryview(self.data)[i : i + step] for i in range(0, len(self.data), step)]
-        self.paths = [Path(directory) / f"ceiling-{k}.bin" for k in range(len(self.chunks))]
-        self._write()  # the readers' files exist before they start
-        sizes = [len(c) for c in self.chunks]
-        self.readers = _ReceiverProcs(
-            _disk_ceiling_reader, [([str(p) for p in self.paths], sizes)] * receivers
-        )
-        try:
-            self.readers.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def _write(self) -> None:
-        for path, chunk in zip(self.paths, self.chunks, strict=True):
-            with open(path, "wb") as f:
-                f.write(chunk)
-                f.flush()
-                os.fsync(f.fileno())
-
-    def once(self) -> float:
-        t0 = time.perf_counter()
-        self._write()
-        self.readers.go()
-        self.readers.wait_done()
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        if hasattr(self, "readers"):
-            self.readers.close()
-        for path in self.paths:
-            path.unlink(missing_ok=True)
-
-
-def _collective_group(backend: str, store, rank: int, world: int, timeout_s: float):
-    """A process group of the ceiling's own (prefixed keys), and the device its buffers live on: the
-    path's group maker and rank-to-GPU rule (harness.paths.broadcast), so NCCL's rank r sits on GPU r."""
-    from harness.paths.broadcast import device_for, make_group
-
-    device = device_for(backend, rank)
-    prefixed = dist.PrefixStore("ceiling/", store)
-    return make_group(backend, "127.0.0.1", 0, rank, world, timeout_s, store=prefixed), device
-
-
-def _collective_ceiling_rank(
-    conn, port: int, rank: int, world: int, sizes: list[int], timeout_s: float, backend: str = "gloo"
-) -> None:
-    """A receiver of the broadcast ceiling: join, then one broadcast of every bucket per "go"."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-        group, device = _collective_group(backend, store, rank, world, timeout_s)
-        # warm: the path stages in warm memory
-        bufs = [torch.ones(n, dtype=torch.uint8, device=device) for n in sizes]
-    except BaseException as exc:  # noqa: BLE001 - reported by the parent
-        conn.send(f"{type(exc).__name__}: {exc}")
-        return
-    conn.send("ready")
-    while conn.recv() == "go":
-        for b in bufs:
-            group.broadcast(b, 0).wait()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        conn.send("done")
-
-
-class CollectiveCeiling(Ceiling):
-    """A bare torch.distributed broadcast (gloo on CPUs, NCCL on GPUs) of messages of `sizes` bytes from
-    this process to `receivers` spawned processes (groups kept across repeats). NCCL places rank r on
-    GPU r, as the path does; gloo runs the same code on the host, which is how CI tests it."""
-
-    def __init__(self, sizes: list[int], receivers: int, timeout_s: float = 120.0, backend: str = "gloo"):
-        world = receivers + 1
-        self.backend = backend
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False
-        )
-        self.ranks = _ReceiverProcs(
-            _collective_ceiling_rank,
-            [(self._store.port, r, world, sizes, timeout_s, backend) for r in range(1, world)],
-            timeout_s,
-        )
-        try:
-            self.group, self.device = _collective_group(backend, self._store, 0, world, timeout_s)
-            self.ranks.wait_ready()
-            self.bufs = [torch.ones(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        except BaseException:
-            self.close()
-            raise
-
-    def once(self) -> float:
-        self.ranks.go()
-        t0 = time.perf_counter()
-        for b in self.bufs:
-            self.group.broadcast(b, 0).wait()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.ranks.wait_done()
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.ranks.close()
-
-
-class MemcpyCeiling(Ceiling):
-    """Warm copies of the payload's bytes in this process, one per receiver at once (every engine gets
-    its own copy; they share the host's cores and memory bandwidth as the receivers do)."""
-
-    def __init__(self, size_bytes: int, receivers: int = 1):
-        self.src = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8)
-        self.dst = [torch.empty_like(self.src) for _ in range(receivers)]
-        self.pool = cf.ThreadPoolExecutor(receivers) if receivers > 1 else None
-        self.once()
-
-    def _copy(self, k: int) -> None:
-        self.dst[k].copy_(self.src)
-
-    def once(self) -> float:
-        t0 = time.perf_counter()
-        if self.pool is None:
-            self._copy(0)
-        else:
-            list(self.pool.map(self._copy, range(len(self.dst))))
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-
-
-class DeviceCopyCeiling(Ceiling):
-    """Copies of the payload's bytes on GPUs: from the trainer's device to each receiver's (the same GPU:
-    a device-to-device copy, what same-GPU CUDA IPC bounds on; another GPU: a peer copy). The copies of
-    several receivers run one after another on the source GPU's stream, as the receivers share it. Timed
-    on the host around a synchronize, as the path's lifecycle is."""
-
-    def __init__(self, size_bytes: int, receivers: int = 1, device: str = "cuda:0", peers: bool = False):
-        src = torch.device(device)
-        n = torch.cuda.device_count()
-        if peers and n < 1 + receivers:
-            raise ValueError(
-                f"a peer-copy ceiling for {receivers} receiver(s) needs {1 + receivers} GPUs, have {n}"
-            )
-        targets = [torch.device("cuda", (src.index + 1 + k) % n) if peers else src for k in range(receivers)]
-        self.src = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8, device=src)
-        self.dst = [torch.empty(size_bytes, dtype=torch.uint8, device=t) for t in targets]
-        self.once()
-
-    def once(self) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for d in self.dst:
-            d.copy_(self.src, non_blocking=True)
-        for d in {d.device for d in self.dst}:
-            torch.cuda.synchronize(d)
-        return time.perf_counter() - t0
-
-
-def ceiling_kind(backend: Backend) -> str | None:
-    """Which raw transport bounds a backend: what it declares (Backend.ceiling), else by what it is built
-    on, so a variant of a built-in path (a vendor's broadcast, a broken one in suites/meta) is measured
-    against the same ceiling."""
-    from harness.api import CEILING_KINDS
-
-    declared = getattr(backend, "ceiling", None)
-    if declared is not None:
-        if declared not in CEILING_KINDS:
-            raise ValueError(
-                f"backend {backend.name!r} declares ceiling {declared!r}; expected one of {CEILING_KINDS}"
-            )
-        return declared
-    from harness.backends.broadcast import BroadcastBackend
-    from harness.backends.delta import DeltaBackend
-    from harness.backends.disk import DiskBackend
-    from harness.backends.ipc import IpcBackend
-
-    if isinstance(backend, DeltaBackend):
-        return "memcpy" if backend.capabilities.ipc else "gloo"
-    if isinstance(backend, BroadcastBackend):
-        return "gloo"
-    if isinstance(backend, IpcBackend):
-        return "memcpy"
-    if isinstance(backend, DiskBackend):
-        return "disk"
-    return {"disk": "disk", "broadcast": "gloo", "delta": "gloo", "ipc": "memcpy", "delta-ipc": "memcpy"}.get(
-        backend.name
-    )
-
-
-def make_ceiling(
-    backend: Backend,
-    weights: dict[str, torch.Tensor],
-    receivers: int,
-    workdir: str,
-    bucket_bytes: int | None = None,
-) -> Ceiling | None:
-    """The raw transport under the path: file write+read, bare gloo broadcast, or memcpy. The gloo
-    ceiling broadcasts the messages the path puts on the wire: its bucket plan for these tensors (a
-    tensor larger than a bucket goes whole), not the payload cut at bucket_bytes (64 messages of 1 MiB
-    took 52 ms where the path's 8 of 8 MiB take 20: a ceiling the path beats is no ceiling).
-    `bucket_bytes`: the unit the path was deployed with, where it is not the backend's own."""
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    kind = ceiling_kind(backend)
-    if kind == "disk":
-        shard_bytes = bucket_bytes or getattr(backend, "shard_bytes", 1 << 40)
-        return DiskCeiling(nbytes, workdir, receivers, shard_bytes)
-    if kind in ("gloo", "nccl"):
-        bucket_bytes = bucket_bytes or getattr(backend, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
-        _, sizes = bucket_plan((t.numel() * t.element_size() for t in weights.values()), bucket_bytes)
-        return CollectiveCeiling(sizes, receivers, backend=kind)
-    if kind in ("device-copy", "p2p-copy"):
-        device = next((str(t.device) for t in weights.values() if t.device.type == "cuda"), "cuda:0")
-        return DeviceCopyCeiling(nbytes, receivers, device, peers=kind == "p2p-copy")
-    if kind == "memcpy":
-        return MemcpyCeiling(nbytes, receivers)
-    return None
 
 
 def _versions(weights: dict[str, torch.Tensor], fraction: float, n: int):

@@ -17,6 +17,9 @@ The exit status and the verdict of results.json, report.md and report.html are o
 (harness.report.decide); every failure is printed with the command that reruns it alone.
 """
 
+# Why one file: the commands share backend and engine resolution, the device, the exit statuses and the terminal;
+# each command's work lives in its own module (bench, report, cost, validate_cluster): this is their wiring.
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +58,9 @@ def _suite_dir(name: str) -> Path:
 
 #: The torchrun launch: it tests the launcher with BroadcastBackend, whatever is selected.
 BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
+#: Tests that bring their own ranks over gloo and use no selected backend (the resharded sync): run once,
+#: in the broadcast column, like the launcher tests.
+SELF_CONTAINED_TESTS = ("test_reshard.py",)
 
 
 def run_conformance(
@@ -93,7 +99,7 @@ def run_conformance(
     if (
         suite == "conformance" and backend != "broadcast"
     ):  # these drive BroadcastBackend itself, whatever is selected: run them once
-        for test in BROADCAST_LAUNCHER_TESTS:
+        for test in BROADCAST_LAUNCHER_TESTS + SELF_CONTAINED_TESTS:
             cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
     env = dict(os.environ)
     log = out / f"pytest-{suite}-{_slug(backend)}.log"
@@ -194,25 +200,29 @@ def certify(args: argparse.Namespace) -> int:
         console.print(f"[red]usage error:[/] {exc}")
         return 2
     bench_engine_name = args.engine if bench_engine == engine_path(args.engine) else "reference"
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    out = Path(args.out) / f"certify-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
-    command = "weightsync " + shlex.join(sys.argv[1:])
+    command = "weightsync " + shlex.join(args.argv)
+    try:
+        out, command = open_bundle(args, command)
+    except ValueError as exc:
+        console.print(f"[red]usage error:[/] {exc}")
+        return 2
     results, faults, rows, missing = {}, {}, [], []
     for name, backend in backends.items():
-        results[name] = run_conformance(
+        results[name] = finished_suite(out, "conformance", name) or run_conformance(
             name, args.engine, out, args.profile, args.receivers, xfails_file=args.xfails_file
         )
         if not args.no_faults:
-            faults[name] = run_conformance(
+            faults[name] = finished_suite(out, "faults", name) or run_conformance(
                 name, args.engine, out, args.profile, args.receivers, "faults", args.xfails_file
             )
-        if not args.no_bench:
+        if not args.no_bench and (done := finished_rows(out, name)) is not None:
+            rows += done
+        elif not args.no_bench:
             limit = engine_caps.max_receivers if bench_engine_name == args.engine else 2
             rx = 2 if backend.capabilities.multi_receiver and limit >= 2 else 1
             with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ...") as status:
                 try:
-                    rows += measure_sync(
+                    measured = measure_sync(
                         backend,
                         [s << 20 for s in args.sizes_mib],
                         rx,
@@ -226,9 +236,14 @@ def certify(args: argparse.Namespace) -> int:
                     console.print(
                         f"[red]throughput {name} raised:[/] {escape(f'{type(exc).__name__}: {exc}')}"
                     )
+                else:
+                    for row in measured:
+                        row.backend = name  # the rerun line names the factory, not the display name
+                    rows += measured
+                    keep_rows(out, name, measured)
     if not args.no_faults and args.default_selection:  # the control plane: a column of the fault matrix only
         for name in EXTRA_BACKENDS:
-            faults[name] = run_conformance(
+            faults[name] = finished_suite(out, "faults", name) or run_conformance(
                 name, args.engine, out, args.profile, args.receivers, suite="faults"
             )
     report = write_report(
@@ -261,6 +276,76 @@ def certify(args: argparse.Namespace) -> int:
     console.print(f"[bold {colour}]{verdict}[/] (exit {data['exit_status']}) bundle: {out}/", highlight=False)
     print(report)
     return EXIT_STATUS[verdict]
+
+
+#: What a resumed certify must share with the run that began the bundle: the same evidence, asked the same way.
+RESUME_KEYS = ("backend", "engine", "receivers", "profile", "sizes_mib", "repeats", "no_bench", "floor")
+RESUME_KEYS += ("no_faults", "xfails_file", "device")
+
+
+def open_bundle(args: argparse.Namespace, command: str) -> tuple[Path, str]:
+    """The bundle folder and the command the report names. A new run gets reports/certify-<stamp>/ and
+    writes its arguments there (certify-args.json); `--resume DIR` reopens DIR, refuses arguments that differ
+    from the run that began it (ValueError naming them), and returns the commands of every run so far."""
+    mine = {key: getattr(args, key) for key in RESUME_KEYS}
+    mine["xfails_file"] = mine["xfails_file"] and str(Path(mine["xfails_file"]).resolve())
+    if not args.resume:
+        out = Path(args.out) / f"certify-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "certify-args.json").write_text(json.dumps({"args": mine, "commands": [command]}, indent=2))
+        return out, command
+    out = Path(args.resume)
+    try:
+        began = json.loads((out / "certify-args.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--resume {out}: not a certify bundle ({type(exc).__name__}: {exc})") from None
+    differ = [k for k in RESUME_KEYS if began["args"].get(k) != mine[k]]
+    if differ:
+        raise ValueError(
+            f"--resume {out}: its run was asked differently, so its evidence is not this run's: "
+            + "; ".join(f"{k}: {began['args'].get(k)!r} there, {mine[k]!r} here" for k in differ)
+        )
+    began["commands"].append(command)
+    (out / "certify-args.json").write_text(json.dumps(began, indent=2))
+    return out, " ; then ".join(began["commands"])
+
+
+def finished_suite(out: Path, suite: str, backend: str) -> dict | None:
+    """A suite's results that an earlier run in this bundle wrote to the end (pytest finished: `complete`),
+    reused as they are; None where there are none or the run was stopped in it (that suite runs again)."""
+    results = out / f"{suite}-{_slug(backend)}.json"
+    if not results.exists():
+        return None
+    data = json.loads(results.read_text())
+    if not data.get("complete"):
+        return None
+    statuses = [r.get("status") for r in data["tests"].values()]
+    console.print(
+        f"{suite} {backend}: reused from this bundle's earlier run ({results.name}: "
+        f"{statuses.count('passed')} passed, {statuses.count('failed')} failed)"
+    )
+    return data
+
+
+def keep_rows(out: Path, backend: str, rows: list) -> None:
+    """The throughput rows measured so far, kept in the bundle so a resumed run need not measure them again."""
+    mine = [r.to_json() for r in rows]
+    (out / f"throughput-{_slug(backend)}.json").write_text(json.dumps(mine, indent=2))
+
+
+def finished_rows(out: Path, backend: str) -> list | None:
+    """A backend's throughput rows from an earlier run in this bundle; None where it measured none."""
+    import dataclasses
+
+    from harness.bench import SyncRow
+
+    kept = out / f"throughput-{_slug(backend)}.json"
+    if not kept.exists():
+        return None
+    names = {f.name for f in dataclasses.fields(SyncRow)}
+    rows = [SyncRow(**{k: v for k, v in r.items() if k in names}) for r in json.loads(kept.read_text())]
+    console.print(f"throughput {backend}: {len(rows)} rows reused from this bundle's earlier run")
+    return rows
 
 
 def throughput_table(rows: list, note: str) -> Table:
@@ -299,7 +384,8 @@ def bench(args: argparse.Namespace) -> int:
     out = Path(args.out) / f"bench-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     sizes = [s << 20 for s in args.sizes_mib]
     rows = []
-    for backend in backends:
+    for name, backend in zip(args.backend, backends, strict=True):
+        first = len(rows)
         counts = [n for n in args.receivers if n == 1 or backend.capabilities.multi_receiver]
         for rx in counts:  # the delta sweep runs at the first receiver count only
             fractions = args.delta_fractions if backend.capabilities.delta and rx == counts[0] else [None]
@@ -323,7 +409,9 @@ def bench(args: argparse.Namespace) -> int:
             done = len(rows)
             rows += bucket_sweep(backend, max(sizes), min(counts), args, floors, engine)
             _print_rows(rows[done:])
-    report = write_perf_report(out, rows, "weightsync " + shlex.join(sys.argv[1:]))
+        for row in rows[first:]:
+            row.backend = name  # the rerun line names the factory, not the display name
+    report = write_perf_report(out, rows, "weightsync " + shlex.join(args.argv))
     verdict = json.loads((out / "results.json").read_text())["verdict"]
     console.print(f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/] report: {report}")
     print(report)
@@ -456,6 +544,14 @@ def main(argv: list[str] | None = None) -> int:
         "(fixed upstream) fails it",
     )
     c.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    c.add_argument(
+        "--resume",
+        metavar="BUNDLE",
+        default=None,
+        help="finish a certify run that was stopped (a job's time limit): reopen its bundle folder, reuse "
+        "each suite it finished and the throughput rows it measured, run what is missing, write the report "
+        "there; the other arguments must be those of the run that began it",
+    )
     b = sub.add_parser(
         "bench", help="throughput, breakdown and scaling tables with plots; gated by ratio floors"
     )
@@ -498,15 +594,17 @@ def main(argv: list[str] | None = None) -> int:
         "rating, a conformance smoke, a verdict (harness.validate_cluster; its own --help)",
         add_help=False,
     )
+    from_command_line = argv is None  # the command itself, not a caller's process (a test's main([...]))
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["validate-cluster"]:  # its options are its module's own (every rank parses them)
         from harness.validate_cluster import main as validate_cluster
 
         return validate_cluster(argv[1:])
     args = parser.parse_args(argv)
+    args.argv = argv  # the report names the command as it was given
     if args.command == "cost":  # arithmetic only: no device, no suite
         return cost(args)
-    if argv is None:  # the command itself (not a caller's process): a supervisor's SIGTERM (`timeout`)
+    if from_command_line:  # a supervisor's SIGTERM (`timeout`, a job's time limit)
         # unwinds like Ctrl-C, so a running suite is stopped and its hung test recorded
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:

@@ -13,6 +13,9 @@ not probable. The index enters every term, so moving or swapping words changes t
 coincidence of two independent 64-bit sums. Sums commute, so the GPU may add in any order and any grouping
 and get the same bits as `reference_digest` below, which does the same arithmetic with torch ops (on any
 device; the property tests run it on the CPU, the GPU run checks the kernel against it).
+
+Why one file: the Triton kernel, the torch reference it must match bit for bit and the dispatch between them are
+one algorithm; apart, what must change together would not.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Each rank process holds one engine and one receiver. The parent talks to it thro
 JSON headers and safetensors frames (harness.wire), and supervises it: a rank that dies is reported
 with its exit code and log tail; a rank that does not answer within the timeout gets its Python
 stacks dumped (faulthandler, SIGUSR1) into its log, is killed, and the call fails. Never a silent hang.
+
+Why one file: the rank's process, its supervisor (death, hangs, stacks, restarts) and the pipe proxies share one
+process handle and one deadline per call; what crosses the pipe is harness.ranks.protocol's table, not this file's.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 
-from harness import phases, wire
+from harness import error_codec, phases, wire
 from harness.api import (
     DEFAULT_TIMEOUT_S,
     JSON,
@@ -41,12 +44,12 @@ from harness.api import (
     Receiver,
     RequestStream,
     Sender,
-    TensorSpec,
     TokenEvent,
     WeightSpec,
     WeightSyncError,
 )
 from harness.procs import describe_exit, process_state
+from harness.ranks import protocol
 from harness.registry import engine_path, load_object, make_engine
 
 #: Ranks back large tensors with transparent huge pages (torch reads this at its first allocation, so
@@ -73,92 +76,79 @@ class _RankServer:
         self.streams: dict[str, RequestStream] = {}
         self.load: InPlaceLoad | None = None  # an in-place load the parent opened on this rank's engine
 
+    def target(self, kind: str) -> Engine | Receiver:
+        """The engine or the receiver an operation of the table is served by (the engine changes at reset)."""
+        return {"engine": self.engine, "receiver": self.receiver}[kind]
+
     def handle(
         self, op: str, args: dict[str, Any], tensors: dict[str, torch.Tensor] | None
     ) -> tuple[Any, Any]:
-        """Returns (JSON result, tensors or None)."""
-        e, r = self.engine, self.receiver
-        if op == "init_transfer_engine":
-            return r.init_transfer_engine(args["init_info"]), None
-        if op == "start_weight_update":
-            return r.start_weight_update(), None
-        if op == "update_weights":
-            return r.update_weights(args["update_info"]), None
-        if op == "finish_weight_update":
-            return r.finish_weight_update(args["version"]), None
-        if op == "abort_weight_update":
-            return r.abort_weight_update(), None
-        if op == "reset":
-            e.shutdown()  # ends its open requests with 'abort'; their streams stay pollable
-            self.engine = make_engine(self.engine_name, wire.spec_from_json(args["spec"]))
-            r.rebind(self.engine)
-            return None, None
-        if op == "weight_version":
-            return e.weight_version, None
-        if op == "weight_spec":
-            return wire.spec_to_json(e.weight_spec()), None
-        if op == "model_config":
-            return e.model_config(), None
-        if op == "max_running_requests":
-            return e.max_running_requests, None
-        if op == "read_weights":
-            return None, e.read_weights()
-        if op == "commit_weights":
-            return e.commit_weights(tensors or {}, args["version"]), None
-        if op == "in_place_begin":
-            self.load = e.begin_in_place_load(args["version"])
-            return None, None
-        if op in ("in_place_write", "in_place_commit", "in_place_rollback"):
-            if self.load is None:
-                raise EngineStateError(f"{op}: no in-place load is open on rank {self.rank}")
-            if op == "in_place_write":
-                return self.load.write(tensors or {}), None
-            load, self.load = self.load, None
-            return (load.commit() if op == "in_place_commit" else load.rollback()), None
-        if op == "submit":
-            req = wire.request_from_json(args["request"])
-            self.streams[req.request_id] = e.submit(req)
-            return None, None
-        if op == "poll":
-            # events after each request's cursor; wait (briefly) on the oldest open one if none is new
-            out = {}
-            for rid, after in args["after"].items():
-                stream = self.streams.get(rid)
-                out[rid] = (
-                    [wire.event_to_json(ev) for ev in stream.events_after(after, 0.0)] if stream else []
-                )
-            if not any(out.values()) and args["after"]:
-                rid, after = next(iter(args["after"].items()))
-                if rid in self.streams:
-                    out[rid] = [
-                        wire.event_to_json(ev) for ev in self.streams[rid].events_after(after, args["wait"])
-                    ]
-            for rid, events in out.items():
-                if events and events[-1]["finish_reason"] is not None:
-                    self.streams.pop(rid, None)
-            return out, None
-        if op == "abort_requests":
-            return e.abort_requests(args["request_ids"]), None
-        if op == "pause":
-            return e.pause(args["mode"], args["clear_cache"]), None
-        if op == "resume":
-            return e.resume(), None
-        if op == "is_paused":
-            return e.is_paused, None
-        if op == "reset_prefix_cache":
-            return e.reset_prefix_cache(), None
-        if op == "ping":
-            return os.getpid(), None
-        if op == "take_phases":  # where this rank's time went since the last take (harness.phases)
-            return phases.take(), None
-        if op == "serve_control":  # this rank's engine and receiver behind the HTTP control plane
-            from harness.control.app import ServerThread
-            from harness.control.server import ControlServer, ServerConfig
+        """Returns (JSON result, tensors or None): the table's dispatch (harness.ranks.protocol)."""
+        return protocol.serve(self, op, args, tensors)
 
-            cfg = ServerConfig(token=args["token"], allowed_dirs=tuple(Path(d) for d in args["allowed_dirs"]))
-            self.control = ServerThread(ControlServer(e, r, cfg)).start()
-            return self.control.url, None
-        raise ValueError(f"unknown rank op {op!r}")
+    # ------------------------------------------------- the operations this server serves itself
+    def op_reset(self, spec: WeightSpec | None) -> None:
+        self.engine.shutdown()  # ends its open requests with 'abort'; their streams stay pollable
+        self.engine = make_engine(self.engine_name, spec)
+        self.receiver.rebind(self.engine)
+
+    def op_in_place_begin(self, version: int) -> None:
+        self.load = self.engine.begin_in_place_load(version)
+
+    def _open_load(self, op: str) -> InPlaceLoad:
+        if self.load is None:
+            raise EngineStateError(f"{op}: no in-place load is open on rank {self.rank}")
+        return self.load
+
+    def op_in_place_write(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        return self._open_load("in_place_write").write(named_tensors)
+
+    def op_in_place_commit(self) -> None:
+        load, self.load = self._open_load("in_place_commit"), None
+        return load.commit()
+
+    def op_in_place_rollback(self) -> None:
+        load, self.load = self._open_load("in_place_rollback"), None
+        return load.rollback()
+
+    def op_submit(self, request: GenerationRequest) -> None:
+        self.streams[request.request_id] = self.engine.submit(request)
+
+    def op_poll(self, after: dict[str, int], wait: float) -> dict[str, list[JSON]]:
+        """Events after each request's cursor; waits (briefly) on the oldest open one if none is new."""
+        out = {}
+        for rid, seen in after.items():
+            stream = self.streams.get(rid)
+            out[rid] = [wire.event_to_json(ev) for ev in stream.events_after(seen, 0.0)] if stream else []
+        if not any(out.values()) and after:
+            rid, seen = next(iter(after.items()))
+            if rid in self.streams:
+                out[rid] = [wire.event_to_json(ev) for ev in self.streams[rid].events_after(seen, wait)]
+        for rid, events in out.items():
+            if events and events[-1]["finish_reason"] is not None:
+                self.streams.pop(rid, None)
+        return out
+
+    def op_ping(self) -> int:
+        return os.getpid()
+
+    def op_take_phases(self) -> dict[str, dict[str, float]]:
+        """Where this rank's time went since the last take (harness.phases)."""
+        return phases.take()
+
+    def op_serve_control(self, token: str, allowed_dirs: list[str]) -> str:
+        """This rank's engine and receiver behind the HTTP control plane; returns its URL."""
+        from harness.control.app import ServerThread
+        from harness.control.server import ControlServer, ServerConfig
+
+        cfg = ServerConfig(token=token, allowed_dirs=tuple(Path(d) for d in allowed_dirs))
+        self.control = ServerThread(ControlServer(self.engine, self.receiver, cfg)).start()
+        return self.control.url
+
+    def op_exit(self) -> None:
+        """The engine and the receiver shut down; rank_main returns once this is answered."""
+        self.engine.shutdown()
+        self.receiver.shutdown()
 
 
 def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec_json, log_path: str) -> None:
@@ -175,7 +165,7 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
     try:
         server = _RankServer(rank, receiver_path, engine_name, wire.spec_from_json(spec_json))
     except BaseException as exc:
-        conn.send_bytes(wire.dumps({"ok": False, "error": wire.error_to_json(exc)}))
+        conn.send_bytes(wire.dumps({"ok": False, "error": error_codec.to_json(exc)}))
         raise
     conn.send_bytes(wire.dumps({"ok": True, "result": os.getpid()}))
     while True:
@@ -184,11 +174,6 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
         except EOFError:  # parent went away
             return
         tensors = wire.tensors_from_bytes(conn.recv_bytes()) if header.get("tensors") else None
-        if header["op"] == "exit":
-            server.engine.shutdown()
-            server.receiver.shutdown()
-            conn.send_bytes(wire.dumps({"ok": True, "result": None}))
-            return
         try:
             result, out = server.handle(header["op"], header.get("args", {}), tensors)
             conn.send_bytes(wire.dumps({"ok": True, "result": result, "tensors": out is not None}))
@@ -196,7 +181,9 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
                 conn.send_bytes(wire.tensors_to_bytes(out))
         except Exception as exc:  # noqa: BLE001 - every error goes back to the caller
             print(f"rank {rank}: {header['op']} raised {type(exc).__name__}: {exc}", file=sys.stderr)
-            conn.send_bytes(wire.dumps({"ok": False, "error": wire.error_to_json(exc)}))
+            conn.send_bytes(wire.dumps({"ok": False, "error": error_codec.to_json(exc)}))
+        if header["op"] == "exit":
+            return
 
 
 # ============================================================================ parent side
@@ -460,7 +447,7 @@ class RankProcess:
             self._broken = f"pipe closed during {op}: {exc}"
             raise RankFailure(f"rank {self.rank} {self._broken}; log tail:\n{self.log_tail()}") from None
         if not header["ok"]:
-            raise wire.error_from_json(header["error"], f"rank {self.rank}")
+            raise error_codec.from_json(header["error"], f"rank {self.rank}")
         return tensors if tensors is not None else header["result"]
 
     def _ready(self) -> bool:
@@ -475,7 +462,7 @@ class RankProcess:
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.is_alive() and not self._broken:
             try:
-                self.call("exit", timeout=timeout)
+                protocol.call(self, "exit", timeout=timeout)
             except Exception:  # noqa: BLE001, S110 - we kill it below anyway
                 pass
         self.process.join(timeout)
@@ -485,30 +472,20 @@ class RankProcess:
         self._conn.close()
 
 
+@protocol.pipe_proxy("receiver")
 class RemoteReceiver(Receiver):
+    """A receiver in a rank process: every phase is an operation of the table (harness.ranks.protocol),
+    its methods made from it."""
+
     def __init__(self, rank: RankProcess):
         self.rank = rank
 
-    def init_transfer_engine(self, init_info: JSON) -> None:
-        self.rank.call("init_transfer_engine", init_info=init_info)
 
-    def start_weight_update(self) -> None:
-        self.rank.call("start_weight_update")
-
-    def update_weights(self, update_info: JSON) -> None:
-        self.rank.call("update_weights", update_info=update_info)
-
-    def finish_weight_update(self, version: int) -> None:
-        self.rank.call("finish_weight_update", version=version)
-
-    def abort_weight_update(self) -> None:
-        # after a failed transfer: a rank that cannot answer this quickly is killed, not waited for
-        self.rank.call("abort_weight_update", timeout=max(self.rank.timeout / 3, 1.0))
-
-
+@protocol.pipe_proxy("engine")
 class RemoteEngine(Engine):
-    """An engine in a rank process. One pump thread polls the rank for the events of every open
-    request in a single call and feeds the local streams."""
+    """An engine in a rank process: the methods that only call the rank are made from the table
+    (harness.ranks.protocol); those written here do more on this side. One pump thread polls the rank
+    for the events of every open request in a single call and feeds the local streams."""
 
     def __init__(self, rank: RankProcess):
         self.rank = rank
@@ -520,13 +497,6 @@ class RemoteEngine(Engine):
         self._pump: threading.Thread | None = None
         self._reads_open = threading.Event()  # cleared while reads are held (a client that reads late)
         self._reads_open.set()
-
-    @property
-    def weight_version(self) -> int:
-        return self.rank.call("weight_version")
-
-    def weight_spec(self) -> dict[str, TensorSpec]:
-        return wire.spec_from_json(self.rank.call("weight_spec")) or {}
 
     @contextlib.contextmanager
     def reads_held(self):
@@ -556,7 +526,7 @@ class RemoteEngine(Engine):
             left = deadline - time.monotonic()
             if left < min(timeout / 4, 1.0):  # too little left to wait for a reply: do not start the call
                 raise RankBusy(self.rank._busy_message("poll", timeout))
-            batches = self.rank.call("poll", timeout=left, after=after, wait=wait)
+            batches = protocol.call(self.rank, "poll", timeout=left, after=after, wait=wait)
             with self._state:
                 for rid, events in batches.items():
                     entry = self._active.get(rid)
@@ -601,7 +571,7 @@ class RemoteEngine(Engine):
             previous = self._active.get(rid)
             self._active[rid] = (stream, [0])
         try:
-            self.rank.call("submit", request=wire.request_to_json(request))
+            protocol.call(self.rank, "submit", request)
         except BaseException:
             with self._state:
                 if self._active.get(rid, (None,))[0] is stream:
@@ -617,56 +587,25 @@ class RemoteEngine(Engine):
         return stream
 
     def abort_requests(self, request_ids) -> int:
-        n = self.rank.call("abort_requests", request_ids=list(request_ids))
+        n = protocol.call(self.rank, "abort_requests", request_ids)
         self._poll(0.0)  # the aborts show in the local streams on return
         return n
 
     def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
-        self.rank.call("pause", mode=mode, clear_cache=clear_cache)
+        protocol.call(self.rank, "pause", mode, clear_cache)
         self._poll(0.0)  # what the pause ended or froze shows in the local streams on return
 
-    def resume(self) -> None:
-        self.rank.call("resume")
-
-    @property
-    def is_paused(self) -> bool:
-        return self.rank.call("is_paused")
-
-    def read_weights(self) -> dict[str, torch.Tensor]:
-        return self.rank.call("read_weights")
-
-    @property
-    def max_running_requests(self) -> int | None:
-        return self.rank.call("max_running_requests")
-
-    def model_config(self) -> JSON | None:
-        return self.rank.call("model_config")
-
-    def commit_weights(self, tensors, version: int) -> None:
-        self.rank.call("commit_weights", tensors=tensors, version=version)
-
     def begin_in_place_load(self, version: int) -> InPlaceLoad:
-        self.rank.call("in_place_begin", version=version)
+        protocol.call(self.rank, "in_place_begin", version)
         return _RemoteInPlaceLoad(self.rank)
 
-    def reset_prefix_cache(self) -> None:
-        self.rank.call("reset_prefix_cache")
 
-
+@protocol.pipe_proxy("load")
 class _RemoteInPlaceLoad(InPlaceLoad):
-    """An in-place load open on a rank's engine."""
+    """An in-place load open on a rank's engine (write, commit, rollback: made from the table)."""
 
     def __init__(self, rank: RankProcess):
         self.rank = rank
-
-    def write(self, named_tensors) -> None:
-        self.rank.call("in_place_write", tensors=dict(named_tensors))
-
-    def commit(self) -> None:
-        self.rank.call("in_place_commit")
-
-    def rollback(self) -> None:
-        self.rank.call("in_place_rollback")
 
 
 class RankDeployment(Deployment):
@@ -751,7 +690,7 @@ class RankDeployment(Deployment):
 
     def take_phases(self) -> list[dict[str, dict[str, float]]]:
         """Each rank's phase times since the last take (recorded when harness.phases was on at spawn)."""
-        return [r.call("take_phases") for r in self.ranks]
+        return [protocol.call(r, "take_phases") for r in self.ranks]
 
     def _restart_unhealthy(self) -> bool:
         """Replace every rank that died or was killed; True if any was."""
@@ -783,7 +722,7 @@ class RankDeployment(Deployment):
             self.connect()
         self.sender.reset()
         for r in self.ranks:
-            r.call("reset", spec=wire.spec_to_json(spec))
+            protocol.call(r, "reset", spec=spec)
 
     def close(self) -> None:
         if self.ranks:

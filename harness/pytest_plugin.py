@@ -11,6 +11,9 @@ reason starts with NOT_SUPPORTED), reported apart from skipped and failed: its o
 Entry point pytest11, so it loads into every pytest run of the environment; it stays inert unless the run
 selects weightsync (see `selects_weightsync`): no header, no backend resolved, no hypothesis profile
 loaded. Its fixtures all start with `weightsync_`; its state lives in `config.stash`.
+
+Why one file: pytest loads a plugin as one module (`-p harness.pytest_plugin`); its options, fixtures and result
+records are its hooks, and what they need beyond that lives elsewhere (registry, known_failures, report).
 """
 
 from __future__ import annotations
@@ -759,6 +762,7 @@ def _write_results(config: pytest.Config, running: str | None = None, exitstatus
         "receivers": {n: sel.receivers(n) for n in names},
         "capabilities": {n: sel.capabilities(n).describe() for n in names},
         "hypothesis_profile": settings.get_current_profile_name(),
+        "device": config.getoption("--weightsync-device", default="cpu"),  # the rerun lines name it
         "complete": exitstatus is not None,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "tests": outcomes_of(config),

@@ -38,6 +38,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "reference-bf16": "harness.engines.reference:make_bf16_engine",
     "reference-in-place": "harness.engines.reference:make_in_place_engine",
     "vllm": "harness.engines.vllm:make_engine",
+    "vllm-server": "harness.engines.vllm_server:make_engine",  # its own process: for torchrun workers
 }
 
 

@@ -8,8 +8,10 @@ Launched with torchrun on every node (torchrun's rendezvous; the harness adds no
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-endpoint=HOST:29500 -m harness.validate_cluster \\
         --trainer-ranks 0-7 --rollout-ranks 8-11 --rollout-ranks 12-15 --rating-gbps 400
 
-Every rank measures; rank 0 prints the table and the verdict and writes `validate-cluster.json`. A link below
-the floor (a fraction of the rating's payload rate) is named with both ends' hostnames and devices.
+Every rank measures; rank 0 prints the table and the verdict and writes `validate-cluster.json` and
+`validate-cluster.html`. A link below the floor (a fraction of the rating's payload rate) is named with both
+ends' hostnames and devices. Every collective gives up after --timeout-s and the smoke is reported through
+the rendezvous store, so a rank that dies is named within a bound instead of hanging the others.
 """
 
 from __future__ import annotations
@@ -17,21 +19,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import signal
 import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from harness.manifest import Manifest
+from harness.api import TensorSpec
+from harness.checks import first_difference
+from harness.engines import tiny_lm
+from harness.engines.reference import ReferenceEngine
+from harness.engines.tiny_lm import ModelConfig
+from harness.manifest import Manifest, dtype_from_name, dtype_name
+from harness.registry import make_engine
+from harness.report.html_page import render_validate_cluster
 
 #: Share of a link's raw rate that carries payload (framing, headers, flow control): 400 Gb/s NDR
 #: = 50 GB/s raw, about 45 GB/s of payload.
 PAYLOAD_SHARE = 0.9
 EXIT_PASS, EXIT_FAIL = 0, 1
+#: how long after its collectives' timeout a live rank has to post its smoke report
+REPORT_GRACE_S = 5.0
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -81,15 +95,52 @@ def _timed(fn, group=None, repeats: int = 3) -> float:
     return best
 
 
-def measure_links(trainers, groups, sizes, device, who, repeats) -> list[Link]:
+class Steps:
+    """Progress, on rank 0 only: a rich bar on a terminal, one plain line per step where stdout is not a
+    terminal or CI=true (logs keep every line; a bar would leave escape codes)."""
+
+    def __init__(self, total: int, show: bool, file=None, terminal: bool | None = None):
+        self.total, self.done, self.show = total, 0, show
+        self.file = file or sys.stdout
+        if terminal is None:
+            terminal = self.file.isatty() and os.environ.get("CI", "").lower() != "true"
+        self._bar = None
+        if show and terminal:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            console = Console(file=self.file, force_terminal=True)
+            self._bar = Progress(
+                TextColumn("{task.description:<44}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=console, transient=True,
+            )  # fmt: skip
+            self._bar.start()
+            self._task = self._bar.add_task("validate-cluster", total=total)
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=what)
+        elif self.show:
+            print(f"[{self.done}/{self.total}] {what}", file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def measure_links(
+    trainers, groups, sizes, device, who, repeats, timeout: timedelta | None = None, step=lambda what: None
+) -> list[Link]:
     """Every trainer → rollout pair point to point, then each group's broadcast from the first trainer.
     Every rank calls this (collectives need all of them); rank 0's list is the one reported."""
     rank = dist.get_rank()
     links: list[Link] = []
     pairs = [(t, r) for t in trainers for g in groups for r in g]
     # every rank creates every group, in the same order (new_group is collective)
-    pair_groups = {pair: dist.new_group(list(pair)) for pair in pairs}
-    cast_groups = [dist.new_group([trainers[0], *g]) for g in groups]
+    pair_groups = {pair: dist.new_group(list(pair), timeout=timeout) for pair in pairs}
+    cast_groups = [dist.new_group([trainers[0], *g], timeout=timeout) for g in groups]
     for size in sizes:
         buf = torch.empty(size, dtype=torch.uint8, device=device)
         for t, r in pairs:
@@ -103,6 +154,7 @@ def measure_links(trainers, groups, sizes, device, who, repeats) -> list[Link]:
 
             if rank in (t, r):
                 links.append(Link("p2p", t, [r], size, _timed(move, pair, repeats), f"{who[t]} -> {who[r]}"))
+            step(f"p2p {t} -> {r}, {size / 2**20:g} MiB")
         for g, group in zip(groups, cast_groups):
             members = [trainers[0], *g]
             if rank in members:
@@ -114,6 +166,7 @@ def measure_links(trainers, groups, sizes, device, who, repeats) -> list[Link]:
                 links.append(
                     Link("broadcast", trainers[0], list(g), size, _timed(cast, group, repeats), ends)
                 )
+            step(f"broadcast {trainers[0]} -> {','.join(map(str, g))}, {size / 2**20:g} MiB")
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, [asdict(link) for link in links])
     seen, out = set(), []
@@ -126,24 +179,70 @@ def measure_links(trainers, groups, sizes, device, who, repeats) -> list[Link]:
     return sorted(out, key=lambda link: (link.kind != "p2p", link.src, link.dst, link.size_bytes))
 
 
-def smoke(trainers, groups, device, seed: int = 0) -> list[str]:
+def smoke(
+    trainers,
+    groups,
+    device,
+    seed: int = 0,
+    kill_rank=None,
+    hang_rank=None,
+    corrupt_rank=None,
+    timeout: timedelta | None = None,
+    step=lambda what: None,
+    engine_name: str = "reference",
+) -> list[str]:
     """A full update, then a sparse patch, from the first trainer to every rollout rank over the fabric;
-    each rollout rank checks every tensor bit for bit against the manifest's digests. Returns the
-    failures (rank 0 gets everyone's)."""
+    each rollout rank commits them into a reference engine and checks every tensor the engine then serves
+    bit for bit against the manifest's digests. Returns this rank's
+    failures (`report_in` collects everyone's). Fault injection, for the harness's own tests: `kill_rank`
+    SIGKILLs itself after version 1 (mid-smoke), `hang_rank` SIGSTOPs itself there (its sockets stay
+    open: only the timeout can tell); `corrupt_rank` flips one bit of what it received.
+    `timeout`: every collective of the smoke gives up after it (new groups default to 30 min, not the
+    world's timeout). `engine_name`: the rollout side's engine (harness.registry: `vllm` is real vLLM in
+    process); one that serves a fixed model (vLLM) gets its own tensors' shapes and dtypes, which the first
+    rollout rank announces, filled with seeded random values."""
     rank = dist.get_rank()
     rollouts = sorted(r for g in groups for r in g)
     members = [trainers[0], *rollouts]
-    group = dist.new_group(members)
+    group = dist.new_group(members, timeout=timeout)
     failures: list[str] = []
     if rank in members:
         root = rank == trainers[0]
         gen = torch.Generator().manual_seed(seed)
-        shapes = {"embed.weight": (512, 64), "layer.0.weight": (64, 64), "layer.0.bias": (64,), "scale": ()}
-        full = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
+        # the rollout side is a serving engine, not a buffer: what it serves after each commit is checked
+        engine, spec = None, None
+        if engine_name == "reference":
+            # the reference engine's own model (fp32) and bf16 tensors riding along as its extra buffers
+            shapes = {
+                "embed.weight": (512, 64),
+                "layer.0.weight": (64, 64),
+                "layer.0.bias": (64,),
+                "scale": (),
+            }
+            extra = {n: TensorSpec(s, torch.bfloat16) for n, s in shapes.items()}
+            spec = {**tiny_lm.checkpoint_spec(ModelConfig()), **extra}
+            engine = None if root else ReferenceEngine(extra=extra, device=device)
+        else:  # a named engine serves its own model: the first rollout rank tells everyone its tensors
+            # an in-process vLLM would join this torchrun world (torch.distributed is initialised here)
+            # instead of making its own: real vLLM runs as a server in a process of its own
+            named = {"vllm": "vllm-server"}.get(engine_name, engine_name)
+            engine = None if root else make_engine(named, None, device)
+            announced = [
+                {n: [list(t.shape), dtype_name(t.dtype)] for n, t in engine.weight_spec().items()}
+                if rank == rollouts[0]
+                else None
+            ]
+            dist.broadcast_object_list(announced, src=rollouts[0], group=group)
+            spec = {n: TensorSpec(tuple(shape), dtype_from_name(d)) for n, (shape, d) in announced[0].items()}
+        full = {n: torch.randn(s.shape, generator=gen).to(s.dtype) for n, s in sorted(spec.items())}
+        # the patch lands in the bf16 embedding riding along, or a named engine's largest tensor (its embedding)
+        target = (
+            "embed.weight" if engine_name == "reference" else max(sorted(full), key=lambda n: full[n].numel())
+        )
         patched = {n: t.clone() for n, t in full.items()}
-        flat = patched["embed.weight"].view(-1)
+        flat = patched[target].view(-1)
         idx = torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 100]  # ~1 % changed, as per step
-        flat[idx] = torch.randn(len(idx), generator=gen).to(torch.bfloat16)
+        flat[idx] = torch.randn(len(idx), generator=gen).to(flat.dtype)
 
         def received(tensor: torch.Tensor) -> torch.Tensor:
             """The trainer's tensor on every member (the others start from zeros: only the fabric fills them)."""
@@ -154,19 +253,57 @@ def smoke(trainers, groups, device, seed: int = 0) -> list[str]:
         def check(version: int, sent: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> None:
             if not root:
                 wrong = Manifest.build(version, sent).wrong(held)
-                failures.extend(f"rank {rank} version {version}: {n} not bitwise equal" for n in wrong)
+                failures.extend(
+                    f"rank {rank} version {version}: {n} not bitwise equal: {first_difference(sent[n], held[n])}"
+                    for n in wrong
+                )
 
-        # version 1: every tensor whole; version 2: only the patch (indices, values), applied to what each
-        # rank holds from version 1
-        held = {name: received(tensor) for name, tensor in full.items()}
-        check(1, full, held)
-        at, values = received(idx), received(flat[idx])
-        embed = held["embed.weight"].clone()
-        embed.view(-1)[at] = values
-        check(2, patched, {**held, "embed.weight": embed})
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, failures)
-    return [f for per_rank in gathered for f in per_rank]
+        def commit(version: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            """What the engine serves once `tensors` are committed as `version` (the trainer: what it sent)."""
+            if root:
+                return tensors
+            engine.commit_weights(tensors, version)
+            return {n: t.cpu() for n, t in engine.read_weights().items()}
+
+        try:
+            # version 1: every tensor whole; version 2: only the patch (indices, values), applied to what
+            # the engine serves from version 1
+            held = {name: received(tensor) for name, tensor in full.items()}
+            if rank == corrupt_rank:  # a receiver that damages what it got: one bit of one element
+                held[target].view(torch.uint8).view(-1)[7 * held[target].element_size()] ^= 1  # element 7
+            served = commit(1, held)
+            check(1, full, served)
+            step("smoke: version 1 (every tensor whole) committed and checked")
+            if rank == kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if rank == hang_rank:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            at, values = received(idx), received(flat[idx])
+            patch = served[target].clone()
+            patch.view(-1)[at] = values
+            check(2, patched, commit(2, {target: patch}) if not root else patched)
+            step("smoke: version 2 (~1% patch) committed and checked")
+        finally:
+            if engine is not None:
+                engine.shutdown()
+    return failures
+
+
+def report_in(rank: int, world: int, payload: dict, deadline: float, tag: str = "smoke") -> dict[int, dict]:
+    """Every rank posts `payload` to the rendezvous store (not the process group, which a dead member
+    breaks); rank 0 waits until `deadline` (time.monotonic) for all of them and returns {rank: payload} of
+    those that came (the others return {}). A rank missing from the answer died or hung."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"validate-cluster/{tag}/{rank}", json.dumps(payload))
+    if rank != 0:
+        return {}
+    keys = {r: f"validate-cluster/{tag}/{r}" for r in range(world)}
+    waiting = set(keys)
+    while waiting and time.monotonic() < deadline:
+        waiting = {r for r in waiting if not store.check([keys[r]])}
+        if waiting:
+            time.sleep(0.05)
+    return {r: json.loads(store.get(keys[r])) for r in sorted(set(keys) - waiting)}
 
 
 def verdict(
@@ -231,6 +368,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=".", help="where rank 0 writes validate-cluster.json")
+    p.add_argument(
+        "--engine",
+        default="reference",
+        help="the rollout side's engine in the smoke: reference (default), vllm (real vLLM, a dev-mode server "
+        "per rollout rank, serving its own model: the tensors sent are its shapes and dtypes) or "
+        "pkg.module:factory",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=300,
+        help="every collective gives up after this; a rank silent this long after the smoke is named dead",
+    )
+    faults = p.add_argument_group("fault injection (the harness's own tests)")
+    faults.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself mid-smoke")
+    faults.add_argument("--hang-rank", type=int, default=None, help="this rank SIGSTOPs itself mid-smoke")
+    faults.add_argument(
+        "--corrupt-rank", type=int, default=None, help="this rank flips one bit of what it receives"
+    )
     a = p.parse_args(argv)
     try:
         trainers = parse_ranks(a.trainer_ranks)
@@ -242,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=a.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     named = sorted([*trainers, *(r for g in groups for r in g)])
     if len(set(named)) != len(named) or any(not 0 <= r < world for r in named):
@@ -255,8 +411,43 @@ def main(argv: list[str] | None = None) -> int:
     who: list = [None] * world
     dist.all_gather_object(who, _identity(rank, device))
     sizes = [int(s * 2**20) for s in a.sizes_mib]
-    links = measure_links(trainers, groups, sizes, device, who, a.repeats)
-    failures = smoke(trainers, groups, device)
+    timeout = timedelta(seconds=a.timeout_s)
+    n_pairs = len(trainers) * sum(map(len, groups))
+    step = Steps(len(sizes) * (n_pairs + len(groups)) + 3, show=rank == 0)
+    links = measure_links(trainers, groups, sizes, device, who, a.repeats, timeout, step)
+    # one torchrun per node stops every local worker (SIGTERM, SIGKILL 30 s later) as soon as one dies: the
+    # survivors finish the bounded smoke and its report first, so the verdict can name the dead rank
+    stop_requests: list[float] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop_requests.append(time.monotonic()))
+    t0 = time.monotonic()
+    try:
+        local = {
+            "failures": smoke(
+                trainers, groups, device, 0, a.kill_rank, a.hang_rank, a.corrupt_rank, timeout, step, a.engine
+            )
+        }
+    except RuntimeError as exc:  # a peer that died or hung: gloo's "Connection closed by peer", or a timeout
+        first = str(exc).splitlines()[0].split(". This is typically")[0]  # gloo appends advice and an emoji
+        local = {"failures": [], "error": f"{type(exc).__name__}: {first[:300]}"}
+    # a live rank's collective gives up timeout_s after it began (at the latest, timeout_s after the smoke
+    # began plus the smoke's own few 100 ms), then it reports: rank 0 waits that long, and REPORT_GRACE_S more
+    bound = a.timeout_s + REPORT_GRACE_S
+    came = report_in(rank, world, local, max(time.monotonic(), t0 + a.timeout_s) + REPORT_GRACE_S)
+    step.done = step.total - 1  # a rank that died mid-smoke skipped steps: the last one is the report
+    step(
+        "every rank reported in"
+        if rank != 0 or len(came) == world
+        else f"{world - len(came)} rank(s) missing"
+    )
+    step.close()
+    smoke_s = time.monotonic() - t0
+    failures = [f for r in sorted(came) for f in came[r]["failures"]]
+    failures += [f"{who[r]}: smoke raised {p['error']}" for r, p in came.items() if "error" in p]
+    missing = sorted(set(range(world)) - set(came)) if rank == 0 else []
+    failures += [
+        f"{who[r]} did not report within {bound:g} s of the smoke's start: dead or hung" for r in missing
+    ]
+    healthy = not missing and not any("error" in p for p in came.values())
     floor = payload_gbs(a.rating_gbps) * a.floor if a.rating_gbps else None
     result, reasons = verdict(links, floor, failures, a.peer_share)
     if rank == 0:
@@ -267,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"of payload = {floor:.3f} GB/s"
             )
         print(
-            f"smoke: full update and ~1% patch to {sum(map(len, groups))} rollout rank(s): "
+            f"smoke: full update and ~1% patch into the {a.engine} engine on {sum(map(len, groups))} rollout "
+            f"rank(s) in {smoke_s:.1f} s: "
             f"{'bitwise equal' if not failures else f'{len(failures)} failure(s)'}"
         )
         for reason in reasons:
@@ -275,23 +467,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result}: {len(links)} measurements, {len(reasons)} reason(s)", flush=True)
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "validate-cluster.json").write_text(
-            json.dumps(
-                {
-                    "verdict": result,
-                    "reasons": reasons,
-                    "world_size": world,
-                    "trainer_ranks": trainers,
-                    "rollout_groups": groups,
-                    "rating_gbps": a.rating_gbps,
-                    "floor_gbs": floor,
-                    "links": [{**asdict(link), "gbs": link.gbs} for link in links],
-                },
-                indent=2,
-            )
+        data = {
+            "verdict": result,
+            "command": "weightsync validate-cluster " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "reasons": reasons,
+            "world_size": world,
+            "trainer_ranks": trainers,
+            "rollout_groups": groups,
+            "rating_gbps": a.rating_gbps,
+            "floor_gbs": floor,
+            "timeout_s": a.timeout_s,
+            "smoke_s": smoke_s,
+            "missing_ranks": missing,
+            "links": [{**asdict(link), "gbs": link.gbs} for link in links],
+        }
+        (out / "validate-cluster.json").write_text(json.dumps(data, indent=2))
+        (out / "validate-cluster.html").write_text(render_validate_cluster(data))
+        print(f"report: {out / 'validate-cluster.json'}, {out / 'validate-cluster.html'}")
+    signal.signal(signal.SIGTERM, previous)
+    if stop_requests and rank == 0:
+        print(
+            f"the launcher asked to stop {stop_requests[0] - t0:.1f} s into the smoke: stopping after the report"
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    # the verdict reaches every rank through the store too: after a death the process group cannot carry it
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("validate-cluster/verdict", json.dumps({"verdict": result, "healthy": healthy}))
+    else:
+        try:
+            store.wait(["validate-cluster/verdict"], timedelta(seconds=2 * a.timeout_s + 10))
+            shared = json.loads(store.get("validate-cluster/verdict"))
+            result, healthy = shared["verdict"], shared["healthy"]
+        except RuntimeError:  # rank 0 (and with it the store's host) finished, or died: no verdict to share
+            result, healthy = "FAIL", False
+    if healthy:  # a process group with a dead member would hang here: leave it to the process's exit
+        dist.barrier()
+        dist.destroy_process_group()
     return EXIT_PASS if result == "PASS" else EXIT_FAIL
 
 

@@ -5,17 +5,14 @@ Never pickle: a rank or a server only ever parses JSON and safetensors bytes.
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import json
-import traceback
 from collections.abc import Mapping
 from typing import Any
 
 import safetensors.torch
 import torch
 
-from harness import api
 from harness.api import GenerationRequest, TensorSpec, TokenEvent, WeightSpec
 from harness.manifest import dtype_from_name, dtype_name
 
@@ -66,26 +63,6 @@ def tensors_to_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
 
 def tensors_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return safetensors.torch.load(data)
-
-
-def error_to_json(exc: BaseException) -> dict[str, Any]:
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
-
-
-def error_from_json(d: Mapping[str, Any], where: str) -> BaseException:
-    """Rebuild the error raised on the other side: harness errors and builtins keep their class."""
-    cls = getattr(api, d.get("type", ""), None)
-    if not (isinstance(cls, type) and issubclass(cls, api.WeightSyncError)):
-        cls = getattr(builtins, d.get("type", ""), None)
-        if not (isinstance(cls, type) and issubclass(cls, Exception)):
-            cls = RuntimeError
-    exc = cls(f"{d.get('message', '')} [raised in {where}]")
-    exc.remote_traceback = d.get("traceback", "")  # type: ignore[attr-defined]
-    return exc
 
 
 def dumps(obj: Any) -> bytes:

@@ -16,7 +16,11 @@
 #     tail         what a first call did not reach, most telling first: test_resources, test_supervision, the
 #                  rank-killed-idle and trainer-kill (mid-move) cells, then test_model_updates and test_pause_resume
 #     rest         the tail's last two steps alone (what the second call did not reach)
+#     bench        weightsync bench at 64 MiB, 1 GiB, 4 GiB, one receiver: checkpoint-engine with
+#                  WEIGHTSYNC_CE_AUTO_PG=1 (its default: a process group per update) and 0, and ipc
 #     certify      weightsync certify --backend weightsync_checkpoint_engine:make_backend --device cuda
+#                  (stopped at CE_CERTIFY_LIMIT_S, default 540 s; a later call finishes it with
+#                  CE_CERTIFY_BUNDLE=<the bundle from this call's tarball, carried>: certify --resume)
 # Per step a log and the results JSON in /tmp/ce-gpu-run/run, packed after every step into $OUT/ce-gpu-run.tgz
 # (default OUT: reports/ce-gpu-run; the device tool returns few files, and a call cut short keeps what was packed).
 set -u
@@ -89,8 +93,14 @@ for s in $steps; do case $s in
     step tail-conformance 150 "${PYTEST[@]}" suites/conformance/test_model_updates.py \
       suites/conformance/test_pause_resume.py --hypothesis-seed=0 \
       --weightsync-backend=$B --weightsync-results="$run/tail-conformance.json" ;;
-  certify) step certify 560 python3 -m harness.cli certify --device cuda --backend $B --sizes-mib 64 256 \
-      --out "$run" ;;
+  certify) step certify "${CE_CERTIFY_LIMIT_S:-540}" python3 -m harness.cli certify --device cuda --backend $B \
+      --sizes-mib 64 256 --out "$run" ${CE_CERTIFY_BUNDLE:+--resume "$CE_CERTIFY_BUNDLE"} ;;
+  bench) for pg in 1 0; do  # where a push's fixed half second goes: a process group per update, or one kept
+      WEIGHTSYNC_CE_AUTO_PG=$pg step "bench-auto-pg-$pg" 150 python3 -m harness.cli bench --device cuda \
+        --backend $B --sizes-mib 64 1024 4096 --receivers 1 --repeats 3 --out "$run/bench-auto-pg-$pg"
+    done
+    step bench-ipc 120 python3 -m harness.cli bench --device cuda --backend ipc --sizes-mib 64 1024 4096 \
+      --receivers 1 --repeats 3 --out "$run/bench-ipc" ;;
   *) echo "unknown step $s"; exit 2 ;;
 esac; done
 pack

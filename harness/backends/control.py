@@ -9,6 +9,7 @@ killed (stacks dumped first) and the next push restarts it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
 import signal
@@ -16,10 +17,10 @@ from pathlib import Path
 
 from harness.api import (
     DEFAULT_TIMEOUT_S,
-    JSON,
     Backend,
     Capabilities,
     EngineHandle,
+    Receiver,
     TransferError,
     WeightSpec,
 )
@@ -29,19 +30,43 @@ from harness.control.remote import RemoteReceiver as HttpReceiver
 from harness.launch import RankDeployment, RankProcess
 from harness.launch import RemoteEngine as RankEngine
 from harness.paths.disk import DiskSender
+from harness.ranks import protocol
 
 
+def _supervised_phase(name: str):
+    """`name` of the HTTP receiver, under `_supervised`: a real method with the Receiver's signature."""
+    api = getattr(Receiver, name)
+
+    def phase(self, *args, **kwargs):
+        return self._supervised(getattr(HttpReceiver, name).__get__(self), *args, **kwargs)
+
+    phase.__name__, phase.__qualname__ = name, f"SupervisedHttpReceiver.{name}"
+    phase.__doc__ = f"{name} over HTTP, supervised."
+    phase.__signature__ = inspect.signature(api)
+    return phase
+
+
+def _supervise_phases(cls: type) -> type:
+    """Every receiver operation of the rank protocol's table, supervised (none is copied by hand)."""
+    for op in protocol.OPS.values():
+        if op.target == "receiver":
+            setattr(cls, op.method, _supervised_phase(op.method))
+    return cls
+
+
+@_supervise_phases
 class SupervisedHttpReceiver(HttpReceiver):
     """The four phases over HTTP; an error names the rank, and a call that got no answer in time has
-    its rank killed (it may be frozen or blocked in a read: only a restart frees it)."""
+    its rank killed (it may be frozen or blocked in a read: only a restart frees it). Each phase is a
+    receiver operation of the rank protocol's table (harness.ranks.protocol), wrapped by _supervise_phases."""
 
     def __init__(self, client: ControlClient, rank: RankProcess):
         super().__init__(client)
         self.rank = rank
 
-    def _supervised(self, call, *args):
+    def _supervised(self, call, *args, **kwargs):
         try:
-            return call(*args)
+            return call(*args, **kwargs)
         except TransferError as exc:  # no answer, or no connection: the server cannot be trusted now
             self._kill(str(exc).splitlines()[0])
             exc.add_note(
@@ -63,21 +88,6 @@ class SupervisedHttpReceiver(HttpReceiver):
             self.rank.process.kill()
             self.rank.process.join(5.0)
         self.rank._broken = f"no answer over HTTP ({why})"
-
-    def init_transfer_engine(self, init_info: JSON) -> None:
-        self._supervised(super().init_transfer_engine, init_info)
-
-    def start_weight_update(self) -> None:
-        self._supervised(super().start_weight_update)
-
-    def update_weights(self, update_info: JSON) -> None:
-        self._supervised(super().update_weights, update_info)
-
-    def finish_weight_update(self, version: int) -> None:
-        self._supervised(super().finish_weight_update, version)
-
-    def abort_weight_update(self) -> None:
-        self._supervised(super().abort_weight_update)
 
 
 class ControlDeployment(RankDeployment):
@@ -113,7 +123,7 @@ class ControlDeployment(RankDeployment):
         )
 
     def _handle_for(self, rank: RankProcess) -> EngineHandle:
-        url = rank.call("serve_control", token=self._token, allowed_dirs=[str(self._root)])
+        url = protocol.call(rank, "serve_control", token=self._token, allowed_dirs=[str(self._root)])
         client = ControlClient(
             url, token=self._token, timeouts=self._timeouts, retries=1, retry_timeouts=False
         )

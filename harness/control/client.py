@@ -12,13 +12,15 @@ Retries never apply an update twice:
   the client reads /weight_status (/weight_info on vLLM), and a server already serving v means the
   finish landed;
 - anything else with an unknown outcome raises `AmbiguousResultError`: unknown is never reported as ok.
+
+Why one file: the retry rules above hold for every call; one class applies them to every route, and splitting
+the routes would split the rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import threading
 import time
 import uuid
@@ -27,7 +29,6 @@ from typing import Any
 
 import httpx
 
-from harness import api
 from harness.api import (
     JSON,
     Completion,
@@ -38,6 +39,7 @@ from harness.api import (
     WeightSyncError,
 )
 from harness.control import routes
+from harness.error_codec import from_http, http_type_and_message
 
 UNKNOWN_VERSION = -1  # TokenEvent.weight_version when the server does not report it (vLLM)
 
@@ -57,33 +59,17 @@ class AmbiguousResultError(TransferError):
 
 
 def error_from_response(resp: httpx.Response) -> WeightSyncError:
-    """The harness error a response stands for: our server names the class; vLLM's bodies do not."""
+    """The harness error a response stands for (harness.error_codec.from_http); ControlHTTPError where it
+    names none."""
     try:
         body = resp.json()
     except ValueError:
         body = resp.text[:500]
-    type_, message = "", ""
-    if isinstance(body, Mapping):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, Mapping):
-            type_, message = str(err.get("type", "")), str(err.get("message", err))
-        else:
-            message = str(err)
-        if not type_ and isinstance(body.get("type"), str):
-            type_ = body["type"]  # vLLM's older flat ErrorResponse
-    else:
-        message = str(body)
     where = f"[HTTP {resp.status_code} from {resp.request.method} {resp.request.url.path}]"
-    named = re.match(
-        r"^\W*([A-Z][A-Za-z]+Error): ", message
-    )  # vLLM relays a worker's "VersionError: ..." as text
-    if named and not isinstance(getattr(api, type_, None), type):
-        type_ = named.group(1)
-    cls = getattr(api, type_, None)
-    if isinstance(cls, type) and issubclass(cls, WeightSyncError):
-        exc: WeightSyncError = cls(f"{message} {where}")
-        exc.status = resp.status_code  # type: ignore[attr-defined]
+    exc = from_http(resp.status_code, body, where)
+    if exc is not None:
         return exc
+    type_, message = http_type_and_message(body)
     return ControlHTTPError(f"{type_ + ': ' if type_ else ''}{message} {where}", resp.status_code, type_)
 
 

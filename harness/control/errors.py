@@ -2,7 +2,7 @@
 
 Every error answer is `{"error": {"message", "type", "param", "code"}}`. `type` names the harness
 exception (the client maps it back, `harness.control.client.error_from_response`), the status comes
-from `_STATUS_OF`, and a refused field is named in `param` as vLLM spells it (`body.new_version`).
+from `harness.error_codec.HTTP_STATUS`, and a refused field is named in `param` as vLLM spells it (`body.new_version`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from harness.api import (
-    BackendError,
-    EngineStateError,
-    LifecycleError,
-    ManifestMismatch,
-    TransferError,
-    UnknownTensorError,
-    VersionError,
     WeightSyncError,
 )
 from harness.control.schemas import BadRequest
+from harness.error_codec import http_status
 
 log = logging.getLogger("weightsync.control")
 
@@ -52,28 +46,15 @@ def invalid(message: str, param: str | None) -> ApiError:
     return ApiError(400, BAD_REQUEST, message, param)
 
 
-_STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
-    (BadRequest, 400),
-    (BackendError, 400),
-    (LifecycleError, 409),
-    (VersionError, 409),
-    (EngineStateError, 409),
-    (UnknownTensorError, 422),
-    (ManifestMismatch, 422),
-    (TransferError, 502),  # the data plane failed: not the caller's request
-    (TimeoutError, 504),
-    (ValueError, 400),  # engines raise it for requests they refuse (prompt outside the vocab, ...)
-)
-
-
 def api_error(exc: BaseException) -> ApiError | None:
-    for cls, status in _STATUS_OF:
-        if isinstance(exc, cls):
-            param = getattr(exc, "param", None)
-            if param is not None or isinstance(exc, BadRequest):  # a refused request: vLLM's 400 shape
-                return invalid(str(exc), param)
-            return ApiError(status, type(exc).__name__, str(exc))
-    return None
+    """The answer an exception raised by an operation gets (None: it is a crash, answered 500)."""
+    status = 400 if isinstance(exc, BadRequest) else http_status(exc)
+    if status is None:
+        return None
+    param = getattr(exc, "param", None)
+    if param is not None or isinstance(exc, BadRequest):  # a refused request: vLLM's 400 shape
+        return invalid(str(exc), param)
+    return ApiError(status, type(exc).__name__, str(exc))
 
 
 # pydantic names union branches and validator wrappers in an error's location; a client knows fields

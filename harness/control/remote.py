@@ -24,8 +24,7 @@ from harness.api import (
     WeightSpec,
 )
 from harness.control.client import ControlClient
-
-VLLM_INITIAL_VERSION = "default"  # what vLLM's /weight_info says before any versioned finish
+from harness.engines.vllm_constants import INITIAL_VERSION as VLLM_INITIAL_VERSION
 
 
 class RemoteReceiver(Receiver):

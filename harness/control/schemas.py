@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from harness.engines.vllm_constants import INITIAL_VERSION
+
 MAX_VERSION = 2**63 - 1
 # vLLM labels versions with free strings ("step-12", "checkpoint/final"); ours must look like a path-ish
 # identifier: no spaces, no control characters, no leading "." or "/".
@@ -34,7 +36,7 @@ MAX_ABORT_IDS = 4096
 
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")  # what vLLM's /wake_up?tags= may name
-INITIAL_VERSION_LABEL = "default"  # vLLM's /weight_info before any labelled version
+INITIAL_VERSION_LABEL = INITIAL_VERSION  # vLLM's /weight_info before any labelled version
 INITIAL_WEIGHT_LABEL = ""  # the rfc45585 level's weight_label before any is set
 
 

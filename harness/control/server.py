@@ -27,6 +27,9 @@ prototype's routes (/weight_update_active, /update_weight_label, weight_gen and 
 Tensors never cross HTTP: update_info carries the manifest and the data plane's coordinates, and the
 receiver fetches the bytes itself. Every blocking engine or receiver call runs in a worker thread,
 so a long /pause?mode=wait or a slow data plane never stalls the event loop.
+
+Why one file: the operations share one lock and one lifecycle state machine per engine; the rooms that do not
+(errors, guard, idempotency, streaming, text, limits) are modules of their own.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ import itertools
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -773,18 +775,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def __getattr__(name: str) -> Any:
-    # Running the app moved to harness.control.app; the old names stay importable from here.
-    if name in ("ServerThread", "serve", "main"):
-        from harness.control import app
-
-        return getattr(app, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":  # `python -m harness.control.server` is the CLI's older name
-    from harness.control.app import main as _main
-
-    sys.exit(_main())

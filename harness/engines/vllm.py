@@ -29,7 +29,6 @@ from harness.api import (
     ENGINE_UNRESTRICTED,
     JSON,
     PAUSE_MODES,
-    BackendError,
     EngineStateError,
     GenerationRequest,
     PauseMode,
@@ -38,8 +37,14 @@ from harness.api import (
     WeightSpec,
     WeightSyncError,
 )
-from harness.engines.vllm_adapter import VllmEngine, harness_error, parse_version
-from harness.engines.vllm_settings import DEFAULT_KV_CACHE_BYTES, VllmSettings
+from harness.engines.vllm_adapter import (
+    VllmEngine,
+    harness_error,
+    parse_version,
+    refuse_foreign_spec,
+    tiny_model_dir,
+)
+from harness.engines.vllm_settings import DEFAULT_KV_CACHE_BYTES, VllmSettings, cpu_thread_binding
 
 
 # --------------------------------------------------------------------------------------------- in-process
@@ -63,6 +68,7 @@ class InProcessVllm(VllmEngine):
         max_num_seqs: int = 8,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
     ):
         super().__init__(model_dir, workdir)
         self.max_num_seqs = max_num_seqs
@@ -78,7 +84,24 @@ class InProcessVllm(VllmEngine):
             TokensPrompt,
             RequestOutputKind.DELTA,
         )
-        settings = VllmSettings(dtype, max_model_len, max_num_seqs, kv_cache_bytes, seed)
+        if tensor_parallel_size > 1 and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") in ("", "auto"):
+            # vLLM's "auto" refuses 2 workers on one NUMA node. vLLM caches its environment once an engine
+            # has started (vllm.envs.enable_envs_cache): after an earlier engine in this process the new value
+            # is read only once that cache is cleared (measured: TP=2 refused after a TP=1 engine)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tensor_parallel_size)
+            import vllm.envs
+
+            cached = getattr(vllm.envs, "__getattr__", None)
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+        settings = VllmSettings(
+            dtype,
+            max_model_len,
+            max_num_seqs,
+            kv_cache_bytes,
+            seed,
+            tensor_parallel_size=tensor_parallel_size,
+        )
         self.llm = LLM(**settings.llm_kwargs(self.model_dir))
         self._llm_engine = self.llm.llm_engine
         self._core = self._llm_engine.engine_core.engine_core  # vLLM's EngineCore: its pause API
@@ -283,23 +306,9 @@ def make_engine(spec: WeightSpec | None = None) -> InProcessVllm:
     process, serving the tiny Llama of harness.engines.tiny_hf_models (built once under
     WEIGHTSYNC_MODEL_CACHE, default a folder in the temp dir). Any path delivers into it through `commit_weights`, i.e.
     through vLLM's own lifecycle. vLLM serves a fixed model: a spec must be a subset of its own."""
-    from harness.engines.tiny_hf_models import TINY_LLAMA, build
-
-    cache = os.environ.get("WEIGHTSYNC_MODEL_CACHE") or os.path.join(
-        tempfile.gettempdir(), "weightsync-models"
-    )
-    engine = InProcessVllm(build(TINY_LLAMA, cache), tempfile.mkdtemp(prefix="weightsync-vllm-engine-"))
+    engine = InProcessVllm(tiny_model_dir(), tempfile.mkdtemp(prefix="weightsync-vllm-engine-"))
     engine.owns_workdir = True
-    if spec is not None:
-        own = engine.weight_spec()
-        foreign = sorted(n for n, s in spec.items() if own.get(n) != s)
-        if foreign:
-            engine.shutdown()
-            raise BackendError(
-                f"vLLM serves a fixed model; it cannot hold {foreign[:5]} "
-                f"({len(foreign)} tensor(s) not in its checkpoint spec with that shape and dtype)"
-            )
-    return engine
+    return refuse_foreign_spec(engine, spec)
 
 
 #: What real vLLM can be tested for through the generic suites (read by the plugin from the factory).

@@ -12,7 +12,8 @@ import abc
 import itertools
 import json
 import os
-import re
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,56 +23,34 @@ import torch
 
 from harness.api import (
     JSON,
+    BackendError,
     Engine,
     EngineStateError,
     LifecycleError,
-    ManifestMismatch,
     TensorSpec,
     TransferError,
-    UnknownTensorError,
-    VersionError,
+    WeightSpec,
     WeightSyncError,
 )
+from harness.engines.vllm_constants import INITIAL_VERSION, LIFECYCLE_MESSAGES
 from harness.engines.vllm_layout import FusedLayout
 from harness.engines.vllm_receiver import VllmReceiver
+from harness.error_codec import from_message
 from harness.manifest import dtype_from_name
 from harness.paths.disk import DiskSender
 
-INITIAL_VERSION = "default"  # what vLLM reports before any versioned update
-
-_ERRORS: dict[str, type[WeightSyncError]] = {
-    c.__name__: c
-    for c in (
-        LifecycleError,
-        VersionError,
-        UnknownTensorError,
-        ManifestMismatch,
-        TransferError,
-        EngineStateError,
-    )
-}
-# vLLM's own lifecycle-order errors (vllm/v1/worker/gpu_worker.py), which carry no harness class name
-_VLLM_LIFECYCLE_MESSAGES = (
-    "finish_weight_update called without a matching start_weight_update",
-    "start_weight_update must be called before update_weights",
-    "start_weight_update called while a weight update is already active",
-    "Weight transfer not configured",
-)
-_ERROR_RE = re.compile(r"\b(" + "|".join(_ERRORS) + r"): (.*)", re.DOTALL)
-
 
 def harness_error(message: str, context: str) -> WeightSyncError:
-    """The harness error a vLLM-side failure stands for: the transport prefixes its messages with
-    the error class name, which survives both in-process exceptions and HTTP error bodies."""
-    for pattern in _VLLM_LIFECYCLE_MESSAGES:
+    """The harness error a vLLM-side failure stands for: vLLM's own lifecycle-order messages are
+    LifecycleErrors; the transport prefixes its messages with the error class name, which survives both
+    in-process exceptions and HTTP error bodies (harness.error_codec.from_message)."""
+    for pattern in LIFECYCLE_MESSAGES:
         if pattern in message:
             return LifecycleError(f"{context}: vLLM says: {pattern}")
-    m = _ERROR_RE.search(message)
-    if m:
-        detail = m.group(2).strip().splitlines()[0]
-        # vLLM wraps a worker's message as "Worker failed with error '<message>', please check ..."
-        detail = re.split(r"'?, please check the stack trace", detail)[0].rstrip("'\"} \\")
-        return _ERRORS[m.group(1)](f"{context}: {detail}")
+    named = from_message(message)
+    if named:
+        cls, detail = named
+        return cls(f"{context}: {detail}")
     return TransferError(f"{context}: vLLM failed: {message.strip()[-1500:]}")
 
 
@@ -181,6 +160,17 @@ class VllmEngine(Engine, abc.ABC):
         """The same by vLLM name (qkv_proj, gate_up_proj, and lm_head.weight even when tied)."""
         return self._read("live")
 
+    def read_shards(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each tensor-parallel rank's live shards, by vLLM name: {TP rank: {name: tensor}} (one entry
+        without TP). Read through the packed kernels, exact for finite values."""
+        directory = self.workdir / "readback" / f"shards-{os.getpid()}-{next(self._reads)}"
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            results = self.collective_rpc("weightsync_read_shard", {"directory": str(directory)})
+            return {r["rank"]: safetensors.torch.load_file(r["path"]) for r in results}
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
     # ------------------------------------------------------------------ Engine: commit
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Install `tensors` as `version` through the transport (a private disk checkpoint)."""
@@ -206,3 +196,28 @@ class VllmEngine(Engine, abc.ABC):
 
     def describe(self) -> str:
         return f"vLLM ({self.form}) serving {self.model_dir.name}"
+
+
+def tiny_model_dir() -> Path:
+    """The tiny Llama the `vllm` engine factories serve (harness.engines.tiny_hf_models), built once under
+    WEIGHTSYNC_MODEL_CACHE (default a folder in the temp dir)."""
+    from harness.engines.tiny_hf_models import TINY_LLAMA, build
+
+    cache = os.environ.get("WEIGHTSYNC_MODEL_CACHE") or os.path.join(
+        tempfile.gettempdir(), "weightsync-models"
+    )
+    return build(TINY_LLAMA, cache)
+
+
+def refuse_foreign_spec(engine: VllmEngine, spec: WeightSpec | None) -> VllmEngine:
+    """`engine`, once `spec` is known to be a subset of the fixed model it serves; else shut it down and refuse."""
+    if spec is not None:
+        own = engine.weight_spec()
+        foreign = sorted(n for n, s in spec.items() if own.get(n) != s)
+        if foreign:
+            engine.shutdown()
+            raise BackendError(
+                f"vLLM serves a fixed model; it cannot hold {foreign[:5]} "
+                f"({len(foreign)} tensor(s) not in its checkpoint spec with that shape and dtype)"
+            )
+    return engine

@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from harness.api import (
     JSON,
@@ -29,8 +29,20 @@ from harness.lifecycle import FAILED, NEW, READY, UPDATING, Lifecycle
 from harness.paths.base import check_against_engine, manifest_of
 from harness.paths.disk import DiskSender
 
-if TYPE_CHECKING:
-    from harness.engines.vllm_adapter import VllmEngine
+
+class VllmEngine(Protocol):
+    """What this receiver drives: vLLM's own lifecycle on an `Engine` (harness.engines.vllm_adapter's
+    VllmEngine, in process or behind the dev-mode server). Named here as a protocol so the receiver does not
+    import the adapter that imports it."""
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None: ...
+    def start_weight_update(self) -> None: ...
+    def update_weights(self, *args: Any, **kwargs: Any) -> None: ...
+    def discard_update(self) -> None: ...
+    def finish_weight_update(self, version: str) -> None: ...
+    def reset_prefix_cache(self) -> Any: ...
+    def weight_spec(self) -> WeightSpec: ...
+    def shutdown(self) -> None: ...
 
 
 class VllmReceiver(Receiver):

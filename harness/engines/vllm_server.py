@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,12 +36,33 @@ from harness.api import (
     PauseMode,
     RequestStream,
     TokenEvent,
+    WeightSpec,
 )
-from harness.engines.vllm_adapter import VllmEngine, harness_error, parse_version
+from harness.engines.vllm import VLLM_CAPABILITIES
+from harness.engines.vllm_adapter import (
+    VllmEngine,
+    harness_error,
+    parse_version,
+    refuse_foreign_spec,
+    tiny_model_dir,
+)
 from harness.engines.vllm_settings import BACKEND, DEFAULT_KV_CACHE_BYTES, VllmSettings
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+
+
+#: What torchrun sets in its workers; vLLM would read them as its own world's (validate-cluster --engine vllm).
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+)
+TORCHRUN_ENV += ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
 def free_port() -> int:
@@ -85,6 +107,8 @@ class VllmServerProcess:
         tmp.mkdir(exist_ok=True)
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the in-process form sets it to 0 in our env
+        for name in TORCHRUN_ENV:  # a server started by a torchrun worker is not a member of its world
+            env.pop(name, None)
         env.update(
             VLLM_SERVER_DEV_MODE="1",
             VLLM_HOST_IP="127.0.0.1",
@@ -317,3 +341,19 @@ class ServerVllm(VllmEngine):
         for th in threads:
             th.join(timeout=10)
         self.http.close()
+
+
+def make_engine(spec: WeightSpec | None = None) -> ServerVllm:
+    """Engine factory `vllm-server`: real vLLM as a dev-mode server in a process of its own, serving the tiny
+    Llama of harness.engines.tiny_hf_models (`harness.engines.vllm:make_engine`'s model). For a caller that
+    is itself a member of a torch.distributed world (a torchrun worker), where an in-process vLLM would join
+    that world instead of making its own. vLLM serves a fixed model: a spec must be a subset of its own."""
+    # vLLM's ZMQ sockets live under the server's TMPDIR (workdir/tmp): a unix socket path has 107 bytes at most,
+    # which a pytest tmp dir as TMPDIR overruns (measured in the vLLM tier), so the workdir is a short /tmp one
+    workdir = tempfile.mkdtemp(prefix="ws-vllm-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    engine = ServerVllm(tiny_model_dir(), workdir)
+    engine.owns_workdir = True
+    return refuse_foreign_spec(engine, spec)
+
+
+make_engine.capabilities = VLLM_CAPABILITIES  # type: ignore[attr-defined]

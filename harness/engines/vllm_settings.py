@@ -15,9 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# Kept in step with harness.engines.vllm_transport, which cannot be imported without vLLM.
-BACKEND = "weightsync_files"
-EXTENSION = "harness.engines.vllm_transport.WeightSyncWorkerExtension"
+from harness.engines.vllm_constants import BACKEND, EXTENSION
 
 DEFAULT_KV_CACHE_BYTES = 64 << 20  # vLLM on CPU otherwise sizes its KV cache from a share of all RAM
 
@@ -33,6 +31,8 @@ class VllmSettings:
     seed: int = 0
     #: vLLM's weight-transfer engine: the harness's own file transport, or one of vLLM's (an adapter's "nccl")
     weight_transfer: str = BACKEND
+    #: vLLM's tensor-parallel ranks; above 1 each is a worker process of vLLM's "mp" executor
+    tensor_parallel_size: int = 1
 
     def llm_kwargs(self, model_dir: str | os.PathLike) -> dict[str, Any]:
         """Keyword arguments of vLLM's `LLM` (the in-process form; one process, uni executor)."""
@@ -45,7 +45,8 @@ class VllmSettings:
             "max_num_seqs": self.max_num_seqs,
             "seed": self.seed,
             "kv_cache_memory_bytes": self.kv_cache_bytes,
-            "distributed_executor_backend": "uni",
+            "distributed_executor_backend": "uni" if self.tensor_parallel_size == 1 else "mp",
+            "tensor_parallel_size": self.tensor_parallel_size,
             "worker_extension_cls": EXTENSION,
             "weight_transfer_config": {"backend": self.weight_transfer},
         }
@@ -63,7 +64,20 @@ class VllmSettings:
             "--seed", str(self.seed),
             "--worker-extension-cls", EXTENSION,
             "--weight-transfer-config", json.dumps({"backend": self.weight_transfer}),
-        ]  # fmt: skip
+        ] + (["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else [])  # fmt: skip
+
+
+def cpu_thread_binding(tensor_parallel_size: int) -> str:
+    """A value for VLLM_CPU_OMP_THREADS_BIND giving each TP worker its own share of this process's CPUs.
+
+    vLLM's default ("auto") binds one NUMA node per worker and refuses more workers than nodes
+    (vllm/utils/ompmultiprocessing.py, _get_autobind_cpu_ids: "Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers"); a one-node machine runs TP > 1 only with the CPUs listed by hand."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tensor_parallel_size:
+        return "nobind"
+    shares = [cpus[i::tensor_parallel_size] for i in range(tensor_parallel_size)]
+    return "|".join(",".join(map(str, sorted(share))) for share in shares)
 
 
 def private_tmpdir(base: str | os.PathLike | None = None) -> Path:

@@ -41,12 +41,10 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from harness.api import ManifestMismatch, WeightSyncError
+from harness.engines.vllm_constants import BACKEND, EXTENSION  # noqa: F401 - EXTENSION: this module's own path
 from harness.engines.vllm_layout import FusedLayout, checkpoint_spec
 from harness.manifest import Manifest, dtype_name
 from harness.paths.disk import MANIFEST_FILE, read_checkpoint
-
-BACKEND = "weightsync_files"
-EXTENSION = "harness.engines.vllm_transport.WeightSyncWorkerExtension"
 
 
 class RefusedUpdate(ValueError):
@@ -304,7 +302,16 @@ class WeightSyncWorkerExtension:
 
     def weightsync_read(self, path: str, layout: str = "checkpoint") -> dict[str, Any]:
         """Write the live weights to the safetensors file `path`: by checkpoint name (fused tensors
-        sliced back into their parts) or, with layout="live", by vLLM name."""
+        sliced back into their parts) or, with layout="live", by vLLM name. One worker's whole model:
+        refused under tensor parallelism, where every rank would write its shards to the one path
+        (weightsync_read_shard reads each rank's)."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        tp = get_tensor_model_parallel_world_size()
+        if tp > 1:
+            raise ValueError(
+                f"weightsync_read reads one whole model; this engine runs TP={tp}: use weightsync_read_shard"
+            )
         model = self.model_runner.model
         live = live_tensors(model, self.model_config.dtype)
         if layout == "live":
@@ -317,6 +324,19 @@ class WeightSyncWorkerExtension:
         safetensors.torch.save_file({n: t.contiguous() for n, t in tensors.items()}, tmp)
         os.replace(tmp, path)
         return {"path": path, "tensors": len(tensors)}
+
+    def weightsync_read_shard(self, directory: str) -> dict[str, Any]:
+        """Write this worker's live tensor-parallel shards, by vLLM name, to `directory`/tp<rank>.safetensors
+        (every TP rank writes its own file; read through the packed kernels as weightsync_read does)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        path = os.path.join(directory, f"tp{rank}.safetensors")
+        live = live_tensors(self.model_runner.model, self.model_config.dtype)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        safetensors.torch.save_file({n: t.contiguous() for n, t in live.items()}, tmp)
+        os.replace(tmp, path)
+        return {"rank": rank, "path": path, "tensors": len(live)}
 
     def weightsync_discard(self) -> dict[str, Any]:
         """Drop whatever the transport staged; report whether vLLM still holds an update open (then

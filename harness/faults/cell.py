@@ -30,12 +30,12 @@ from harness.deployment import push
 from harness.faults import engines as fault_engines
 from harness.faults.injectors import (
     COMMIT_FAIL_DIR_ENV,
-    FAULTS,
     PRIVATE_SHM_ENV,
     Fault,
     FaultContext,
     PointNotApplicable,
 )
+from harness.faults.kinds import FAULTS
 from harness.paths.ipc import own_segments
 from harness.procs import pid_alive
 from harness.registry import engine_path

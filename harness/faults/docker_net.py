@@ -17,6 +17,9 @@ Faults are never simulated: a test that cannot get an engine gets `DockerUnavail
 must skip with that reason. Everything created is named with a per-process unique prefix and only
 what this object created is removed (containers, network, image, and the engine if it started one).
 There is no delay fault: this kernel has no netem.
+
+Why one file: every fault here stands on the same engine, image, network and namespace plumbing (`DockerHost`);
+the faults are the table above, each a few lines over it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ file-backed data plane) and says why it does not apply where it cannot; it never
 strikes is a `point` drawn from a seed (which receiver, how long after the call, which byte), so a
 cell is rerun exactly by its seed. Workloads (harness.faults.cell) and checkers (harness.checks)
 live elsewhere.
+
+Why one file: the in-push fault kinds share one base (`Fault`: setup, arm, heal, points drawn from a seed) and one
+context; each kind is 20-60 lines, and reading them side by side is how a new one is written.
 """
 
 from __future__ import annotations
@@ -603,24 +606,3 @@ def _run(argv: list[str]) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode:
         raise OSError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
-
-
-from harness.faults import between  # noqa: E402 - its kinds subclass Fault, defined above
-
-#: Every fault kind the matrix runs, by name.
-FAULTS: dict[str, type[Fault]] = {
-    f.kind: f
-    for f in (
-        ReceiverKill,
-        ReceiverStall,
-        TrainerRaise,
-        PayloadCorrupt,
-        PayloadCut,
-        BlockedRead,
-        CommitFail,
-        StorageFull,
-        HttpRequestCut,
-        HttpAnswerLost,
-        *between.KINDS,
-    )
-}

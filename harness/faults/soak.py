@@ -25,7 +25,8 @@ from harness.faults.cell import (
     seeded_weights,
     strike,
 )
-from harness.faults.injectors import FAULTS, FaultContext, PointNotApplicable
+from harness.faults.injectors import FaultContext, PointNotApplicable
+from harness.faults.kinds import FAULTS
 from harness.paths.ipc import own_segments
 
 SOAK_BACKENDS = ("broadcast", "ipc", "delta", "disk")

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from harness.faults.cell import run_cell
-from harness.faults.injectors import FAULTS, SEEDED
+from harness.faults.injectors import SEEDED
+from harness.faults.kinds import FAULTS
 from harness.faults.trainer_kill import KIND as TRAINER_KILL
 from harness.faults.trainer_kill import points as trainer_kill_points
 from harness.faults.trainer_kill import run_trainer_kill_cell

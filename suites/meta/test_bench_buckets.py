@@ -13,7 +13,8 @@ import pytest
 from harness.api import Backend, Capabilities
 from harness.backends.broadcast import BroadcastBackend
 from harness.backends.disk import DiskBackend
-from harness.bench import SyncBench, SyncRow, make_ceiling, payload
+from harness.bench import SyncBench, SyncRow, payload
+from harness.ceilings import make_ceiling
 from harness.manifest import Manifest
 from harness.perf_report import rows_from_results, write_perf_report
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import bench
+from harness import bench, ceilings
 from harness.backends.broadcast import BroadcastBackend
 from harness.report import FAIL, decide
 
@@ -19,7 +19,7 @@ PIECE = 4 << 10  # the broken ceiling's message size: 4,096 messages where the p
 
 def _cut_into_small_messages(backend, weights, receivers, workdir, bucket_bytes=None):
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    return bench.CollectiveCeiling([PIECE] * (nbytes // PIECE), receivers, backend="gloo")
+    return ceilings.CollectiveCeiling([PIECE] * (nbytes // PIECE), receivers, backend="gloo")
 
 
 def test_a_ceiling_slower_than_its_path_never_passes_the_gate(monkeypatch, tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import bench
+from harness import bench, ceilings
 from harness.api import Backend, BackendError, Capabilities
 from harness.backends.broadcast import make_nccl_backend
 from harness.backends.delta import make_cuda_ipc_backend
@@ -78,7 +78,7 @@ def test_the_report_names_the_ceiling_each_row_used():
     ids=lambda v: getattr(v, "name", v),
 )
 def test_backends_declare_the_transport_that_bounds_them(backend, kind):
-    assert bench.ceiling_kind(backend) == kind
+    assert ceilings.ceiling_kind(backend) == kind
 
 
 class _Declares(Backend):
@@ -92,10 +92,10 @@ class _Declares(Backend):
         raise NotImplementedError
 
 
-def test_a_declared_ceiling_wins_over_the_guess_and_an_unknown_one_is_refused():
-    assert bench.ceiling_kind(_Declares("p2p-copy")) == "p2p-copy"
+def test_a_declared_ceiling_is_the_one_used_and_an_unknown_one_is_refused():
+    assert ceilings.ceiling_kind(_Declares("p2p-copy")) == "p2p-copy"
     with pytest.raises(ValueError, match="declares ceiling 'warp-drive'"):
-        bench.ceiling_kind(_Declares("warp-drive"))
+        ceilings.ceiling_kind(_Declares("warp-drive"))
 
 
 def test_device_selects_the_gpu_variant_of_a_built_in_backend():
@@ -132,3 +132,10 @@ def test_an_engine_factory_without_a_device_argument_is_refused_on_a_gpu(monkeyp
     monkeypatch.setitem(sys.modules, "cpu_only_engines", module)
     with pytest.raises(BackendError, match="cannot be placed on cuda:0: its factory takes no 'device'"):
         make_engine("cpu_only_engines:make", None, device="cuda:0")
+
+
+def test_a_backend_that_declares_no_ceiling_has_none_whatever_its_name():
+    """The ceiling is what a backend declares (harness.ceilings): a name like a built-in's is no declaration."""
+    undeclared = _Declares(None)
+    undeclared.name = "broadcast"
+    assert ceilings.ceiling_kind(undeclared) is None

@@ -187,7 +187,7 @@ def test_the_three_renderers_show_the_same_throughput_cells(bundle):
     from harness.bench import THROUGHPUT_COLUMNS, throughput_cells
     from harness.cli import throughput_table as terminal_table
     from harness.report import throughput_table as markdown_table
-    from harness.report_html import render
+    from harness.report.html_page import render
 
     rows = [
         _row(),  # ok
@@ -234,6 +234,24 @@ def test_rerun_lines_carry_the_profile_the_seed_and_the_delta_fraction():
         "weightsync bench --backend delta --sizes-mib 64 --receivers 2 --repeats 5 "
         "--delta-fractions 0.01 --floor delta=0.12"
     )
+
+
+def test_rerun_lines_name_the_device_and_the_factory_a_run_was_given():
+    """A certify on a GPU with an adapter: its rerun lines run on that GPU, and name the backend as it was
+    given (pkg.module:factory), not its display name, which `--backend` cannot resolve."""
+    from harness.report import reruns
+
+    suite = _suite("failed", device="cuda:0")
+    row = SyncRow(
+        "checkpoint-engine", 1, 64 << 20, 8, "bf16", 0.5, 0.1, 1400.0, 0, floor=0.5, device="cuda:0"
+    )
+    row.backend = "weightsync_checkpoint_engine:make_backend"
+    conformance, throughput = (r["command"] for r in reruns({"disk": suite}, {}, [row], "reference", "1"))
+    assert conformance.endswith("--weightsync-device=cuda:0"), conformance
+    assert throughput.startswith("weightsync bench --backend weightsync_checkpoint_engine:make_backend "), (
+        throughput
+    )
+    assert throughput.endswith("--device cuda:0"), throughput
 
 
 def test_a_row_is_remeasured_with_the_engine_that_measured_it():

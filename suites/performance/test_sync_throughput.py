@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bench import SyncBench, ceiling_kind, floor_for
+from harness.bench import SyncBench, floor_for
+from harness.ceilings import ceiling_kind
 from harness.pytest_plugin import floors_of
 
 pytestmark = pytest.mark.multiproc
@@ -121,7 +122,7 @@ def test_gloo_ceiling_broadcasts_the_messages_the_path_sends(tmp_path):
     import torch
 
     from harness.backends.broadcast import BroadcastBackend
-    from harness.bench import CollectiveCeiling, make_ceiling
+    from harness.ceilings import CollectiveCeiling, make_ceiling
 
     weights = {f"w{i}": torch.zeros(3 << 19, dtype=torch.bfloat16) for i in range(2)}  # 3 MiB each
     weights["small"] = torch.zeros(1000, dtype=torch.uint8)
@@ -144,7 +145,7 @@ def test_disk_ceiling_reads_as_the_path_does_in_receiver_processes(tmp_path):
     """Receivers are processes that map the files (the page cache's pages, as safetensors reads): a copy
     into a buffer from threads of the trainer (25 ms per 64 MiB here) was slower than the path's own
     receivers, which then beat their ceiling at 3 receivers in two reference runs."""
-    from harness.bench import DiskCeiling
+    from harness.ceilings import DiskCeiling
 
     ceiling = DiskCeiling(3 << 20, str(tmp_path), receivers=2, shard_bytes=1 << 20)
     try:

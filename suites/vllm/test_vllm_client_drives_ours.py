@@ -22,6 +22,9 @@ than 64 characters (400); the update stays open, a finish the server takes commi
 nothing staged, or `init_weight_transfer_engine` with an update open, is 409 here and 200 on vLLM.
 
     .ci-vllm-venv/bin/python -m pytest suites/vllm/test_vllm_client_drives_ours.py -m vllm
+
+Why one file: the request script (`CASES`) is shared with suites/control/test_vllm_compat.py, and both halves
+read it in the same order.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from vllm.distributed.weight_transfer.clients import (
     _json_safe_update_payload,
 )
 
-from harness.control.server import ControlServer, ServerConfig, ServerThread
+from harness.control.app import ServerThread
+from harness.control.server import ControlServer, ServerConfig
 from harness.engines.reference import ReferenceEngine
 from harness.paths.disk import DiskReceiver, DiskSender
 from suites.control.helpers import weights_for

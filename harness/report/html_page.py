@@ -9,7 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 from harness.bench import THROUGHPUT_COLUMNS, throughput_cells
-from harness.report import (
+from harness.report.evidence import (
+    RESHARD_COLUMNS,
     between_syncs_kinds,
     cell,
     damage_of,
@@ -17,6 +18,9 @@ from harness.report import (
     fault_matrix,
     known_failures,
     matrix,
+    reshard_bytes_rows,
+    reshard_heading,
+    reshard_plans,
 )
 
 CSS = """
@@ -207,6 +211,8 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
         )
     )
 
+    parts += _reshard_parts(results)
+
     if rows or data.get("throughput_note"):
         parts.append("<h2>Sync throughput</h2>")
         if data.get("throughput_note"):
@@ -253,3 +259,85 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
     parts.append(f"<h2>Command</h2><pre>{_e(data['command'])}</pre>")
     parts.append("</body></html>")
     return "\n".join(p for p in parts if p)
+
+
+def _reshard_parts(results: dict) -> list[str]:
+    """The resharding plans test_reshard attached: bytes per rank against the minimum, every transfer."""
+    plans = reshard_plans(results)
+    if not plans:
+        return []
+    parts = [
+        "<h2>Resharding plan</h2>",
+        "<p>Trainer FSDP2 / DTensor shards → engine tensor-parallel shards (docs/resharding.md). minimum = "
+        "the checkpoint bytes each engine rank's shards hold (total: their sum); measured = what the sync "
+        "counted.</p>",
+    ]
+    for backend, node, plan in plans:
+        parts.append(f"<h3><code>{_e(node)}</code> ({_e(backend)})</h3><p>{_e(reshard_heading(plan))}</p>")
+        body = [
+            [*cells[:4], f'<td class="{"ok" if cells[4] in ("ok", "-") else "fail"}">{_e(cells[4])}</td>']
+            for cells in reshard_bytes_rows(plan)
+        ]
+        parts.append(_table(["rank", "planned B", "minimum B", "measured B", "measured = minimum"], body, 1))
+        transfers = [[str(i)] + [str(t[c]) for c in RESHARD_COLUMNS] for i, t in enumerate(plan["transfers"])]
+        parts.append(_table(["#", *RESHARD_COLUMNS], transfers))
+        tied = [
+            f"<li>tied: <code>{_e(a)}</code> is <code>{_e(b)}</code></li>"
+            for a, b in plan.get("tied", {}).items()
+        ]
+        if tied:
+            parts += ["<ul>", *tied, "</ul>"]
+    return parts
+
+
+def render_validate_cluster(report: dict) -> str:
+    """validate-cluster.html: the verdict, why, the setup and every measurement, from validate-cluster.json's
+    own data (the same page style as report.html; self-contained)."""
+    verdict = report["verdict"]
+    floor = report.get("floor_gbs")
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>weightsync validate-cluster: {_e(verdict)}</title><style>{CSS}</style></head><body>",
+        "<h1>weightsync validate-cluster</h1>",
+        f'<div class="verdict {_verdict_class(verdict)}">{_e(verdict)}</div>',
+        f"<p>command: <code>{_e(report.get('command', ''))}</code></p>",
+    ]
+    if report["reasons"]:
+        parts += [
+            "<h2>Why</h2><ul>",
+            *(f'<li><span class="fail">failed</span> {_e(r)}</li>' for r in report["reasons"]),
+        ]
+        parts.append("</ul>")
+    rating = report.get("rating_gbps")
+    setup = [
+        ["world size", str(report["world_size"])],
+        ["trainer ranks", ", ".join(map(str, report["trainer_ranks"]))],
+        ["rollout groups", " | ".join(",".join(map(str, g)) for g in report["rollout_groups"])],
+        ["rating", f"{rating:g} Gb/s" if rating else "none: p2p links judged against their peers' median only"],
+        ["floor", f"{floor:.3f} GB/s of payload" if floor is not None else "none"],
+        ["collective timeout", f"{report.get('timeout_s', 0):g} s"],
+        ["smoke", f"{report.get('smoke_s', 0):.1f} s; missing ranks: {report.get('missing_ranks') or 'none'}"],
+    ]  # fmt: skip
+    parts += ["<h2>Setup</h2>", _table(["", ""], setup)]
+    rows = []
+    for link in report["links"]:
+        slow = floor is not None and link["gbs"] < floor
+        rows.append(
+            [
+                link["kind"], str(link["src"]), ",".join(map(str, link["dst"])), link["ends"],
+                f"{link['size_bytes'] / 2**20:g}", f"{link['time_s'] * 1e3:.3f}", f"{link['gbs']:.3f}",
+                '<td class="ns">no rating</td>' if floor is None else
+                '<td class="fail">below floor</td>' if slow else '<td class="ok">ok</td>',
+            ]
+        )  # fmt: skip
+    parts.append("<h2>Links</h2>")
+    parts.append(
+        _table(
+            ["kind", "src", "dst", "ends", "size (MiB)", "time (ms)", "GB/s", "floor"], rows, numeric_from=4
+        )
+    )
+    parts.append(
+        "<p>GB/s: bytes moved / the fastest repeat's time, barrier to barrier (every party finished). "
+        "A link is judged at its largest size.</p></body></html>"
+    )
+    return "".join(parts)

@@ -1,0 +1,209 @@
+"""report.md's sections (the verdict's reasons, failures, known failures, the fault matrix, the throughput
+table and its breakdown), drawn from the evidence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.bench import THROUGHPUT_COLUMNS, SyncRow, throughput_cells
+from harness.report.evidence import (
+    RESHARD_COLUMNS,
+    between_syncs_kinds,
+    damage_of,
+    fault_cell_text,
+    fault_matrix,
+    known_failures,
+    reshard_bytes_rows,
+    reshard_heading,
+    reshard_plans,
+)
+from harness.report.plots import plot_breakdown, plot_throughput
+
+
+def known_failures_section(results: dict, faults: dict | None = None) -> list[str]:
+    known = known_failures(results, faults)
+    if not known:
+        return []
+    md = [
+        "",
+        "## Known failures",
+        "",
+        "Listed in the xfails file: they failed as expected (a fix shows as XPASS,",
+    ]
+    md += [
+        "which fails the verdict until the line goes).",
+        "",
+        "| backend | test | reason |",
+        "| --- | --- | --- |",
+    ]
+    md += [f"| {b} | `{n}` | {reason.removeprefix('known failure: ')} |" for b, n, reason in known]
+    return md
+
+
+def fault_section(faults: dict[str, dict]) -> list[str]:
+    mat = fault_matrix(faults)
+    if not mat:
+        return []
+    backends = list(faults)
+    timeout = next((c["timeout_s"] for row in mat.values() for cs in row.values() for c in cs), None)
+    md = [
+        "",
+        "## Fault matrix",
+        "",
+        f"Each cell: push v1, push v2 under the fault, heal, push v3 (timeout {timeout:g}s). ok = every engine served "
+        "one committed version bit for bit, the failing push returned within 2x the timeout with a specific error "
+        "naming the receiver, nothing reported success while engines differed, v3 reached every engine without a "
+        "redeploy, nothing leaked. Times: slowest faulty push (detect) / slowest push after heal (recover). "
+        "unknown never counts as ok.",
+        "",
+        "| fault | " + " | ".join(backends) + " |",
+        "| --- | " + " | ".join("---" for _ in backends) + " |",
+    ]
+    between = between_syncs_kinds(mat)
+    for kind in mat:
+        if kind not in between:
+            md.append(f"| {kind} | " + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends) + " |")
+    if between:
+        md += [
+            "",
+            "### Damage between syncs",
+            "",
+            "After v1 committed, with nothing in flight, the machine damages the deployment; then v2 and v3 are "
+            "pushed as the trainer would push them. ok = v2 committed bit for bit on every engine, or failed once "
+            "with an error naming what was damaged (engines still on v1, bit for bit) and v3 committed: never "
+            "every push failing until a redeploy, never a redeploy by the harness.",
+            "",
+            "| damage | what is damaged | " + " | ".join(backends) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in backends) + " |",
+        ]
+        for kind in between:
+            md.append(
+                f"| {kind} | {damage_of(kind)} | "
+                + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends)
+                + " |"
+            )
+    bad = [
+        c for row in mat.values() for cs in row.values() for c in cs if c["verdict"] in ("fail", "unknown")
+    ]
+    for c in bad:
+        md += [
+            "",
+            f"- **{c['verdict']}** {c['backend']} × {c['fault']} (seed {c['seed']}, {c['point']}): "
+            + "; ".join(c["reasons"])[:1500],
+        ]
+    return md
+
+
+def throughput_table(rows: list[SyncRow]) -> list[str]:
+    """The throughput rows as a Markdown table (columns and cells: bench.throughput_cells)."""
+    align = ["---" if c in ("path", "type", "verdict") else "--:" for c in THROUGHPUT_COLUMNS]
+    return [
+        "| " + " | ".join(cells) + " |" for cells in (THROUGHPUT_COLUMNS, align, *map(throughput_cells, rows))
+    ]
+
+
+def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
+    """The sync table with its gate and where the time goes, plots drawn into out_dir (certify and bench)."""
+    md = [
+        "",
+        "## Sync throughput",
+        "",
+        "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
+        "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
+        "the fastest kept (disk: write+fsync, then every receiver process maps the files; broadcast: bare gloo broadcast of "
+        "the path's own messages to receiver processes; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
+        "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).",
+        "",
+    ]
+    md += throughput_table(rows)
+    if plot_throughput(rows, out_dir / "throughput.png"):
+        md += ["", "![throughput](throughput.png)"]
+    md += [
+        "",
+        "### Where the time goes",
+        "",
+        "ms of the median push. Steps: what the trainer waits on. Parts: the critical path — the "
+        "trainer's prepare (digest, alloc, pack; wire when it writes files), the slowest receiver's "
+        "transfer (wire, unpack, verify) and commit; other is the rest (RPC, locks, engine reads, Python).",
+        "",
+    ]
+    md += breakdown_table(rows)
+    fewest = min(r.receivers for r in rows)
+    if plot_breakdown([r for r in rows if r.receivers == fewest], out_dir / "breakdown.png"):
+        md += ["", f"![breakdown](breakdown.png) (bars: {fewest} receiver(s))"]
+    return md
+
+
+def breakdown_table(rows: list[SyncRow]) -> list[str]:
+    """Where each row's median push went (ms): the steps the trainer waits on, and the critical path's parts."""
+    from harness.bench import BAR_PARTS
+
+    steps = ("start", "prepare", "transfer", "finish")
+    lines = [
+        "| path | rx | size (MiB) | " + " | ".join(steps) + " | " + " | ".join(BAR_PARTS) + " |",
+        "| --- | --: | --: | " + " | ".join("--:" for _ in steps + BAR_PARTS) + " |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.path} | {r.receivers} | {r.size_bytes / 2**20:.0f} | "
+            + " | ".join(f"{r.steps.get(k, 0.0) * 1e3:.1f}" for k in steps)
+            + " | "
+            + " | ".join(f"{r.parts.get(k, 0.0) * 1e3:.1f}" for k in BAR_PARTS)
+            + " |"
+        )
+    return lines
+
+
+def verdict_section(data: dict) -> list[str]:
+    """Why the verdict is what it is, and the command that reruns each failure alone."""
+    md = []
+    reasons = data["reasons"]
+    if reasons["failed"] or reasons["undecided"]:
+        md += ["", "## Why", ""]
+        md += [f"- **failed** {r}" for r in reasons["failed"]]
+        md += [f"- **could not decide** {r}" for r in reasons["undecided"]]
+    if data["reruns"]:
+        md += ["", "## Rerun a failure alone", "", "From the repository root:", ""]
+        for r in data["reruns"]:
+            md += [f"- {r['suite']} {r['what']}:", f"  `{r['command']}`"]
+    return md
+
+
+def reshard_section(results: dict[str, dict]) -> list[str]:
+    """The resharding plans test_reshard attached: bytes per rank against the plan's minimum, then every
+    transfer (docs/resharding.md explains the columns)."""
+    plans = reshard_plans(results)
+    if not plans:
+        return []
+    md = [
+        "",
+        "## Resharding plan",
+        "",
+        "Trainer FSDP2 / DTensor shards -> engine tensor-parallel shards (docs/resharding.md). minimum = the "
+        "checkpoint bytes each engine rank's shards hold (total: their sum); measured = what the sync counted; "
+        "a rank whose measured bytes differ from its minimum moved a byte twice or missed one.",
+    ]
+    for backend, node, plan in plans:
+        md += ["", f"`{node}` ({backend}): {reshard_heading(plan)}", ""]
+        md += [
+            "| rank | planned B | minimum B | measured B | measured = minimum |",
+            "| --- | --: | --: | --: | --- |",
+        ]
+        md += ["| " + " | ".join(cells) + " |" for cells in reshard_bytes_rows(plan)]
+        md += [
+            "",
+            "| # | " + " | ".join(RESHARD_COLUMNS) + " |",
+            "| --: | " + " | ".join("---" for _ in RESHARD_COLUMNS) + " |",
+        ]
+        md += [
+            f"| {i} | " + " | ".join(str(t[c]) for c in RESHARD_COLUMNS) + " |"
+            for i, t in enumerate(plan["transfers"])
+        ]
+        md += [
+            "",
+            *(
+                f"- tied: `{a}` is `{b}` on every engine rank (no bytes of its own)"
+                for a, b in plan.get("tied", {}).items()
+            ),
+        ]
+    return md

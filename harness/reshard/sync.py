@@ -1,0 +1,196 @@
+"""A resharded sync: the plan executed over torch.distributed, point to point from the trainer rank
+that owns each byte range to the engine rank that needs it. No rank ever holds more than its own shard
+(the sender packs a row-parallel column band, nothing else); every message travels as raw bytes
+(uint8), so any dtype is carried bit for bit and counted exactly.
+
+A failed message raises TransferError naming both ranks and the transfer (the process group's timeout
+bounds a peer that never answers)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from harness.api import ManifestMismatch, TransferError
+from harness.reshard.layout import DTYPES, REPLICATE
+from harness.reshard.plan import ReshardPlan, Transfer
+
+#: Bytes an engine shard holds before a sync fills it: a transfer that never lands shows as 0xA5 bytes
+POISON = 0xA5
+
+
+class EngineShards:
+    """The live tensor-parallel shards of one engine rank, allocated once from the plan and filled in
+    place every step (padding rows zero, as vLLM's vocab loader leaves them; a tied name shares its
+    tensor)."""
+
+    def __init__(self, plan: ReshardPlan, rank: int, device: str | torch.device = "cpu"):
+        self.rank = rank
+        dtype = DTYPES[plan.trainer.dtype]
+        self._pad = {s.name: s.pad_rows for s in plan.shards_of(rank)}
+        self.tensors: dict[str, torch.Tensor] = {
+            s.name: torch.empty(s.shape, dtype=dtype, device=device) for s in plan.shards_of(rank)
+        }
+        self.poison()
+        for live, to in plan.tied().items():
+            self.tensors[live] = self.tensors[to]
+
+    def poison(self) -> None:
+        """Refill every checkpoint row with POISON (between steps, so a stale byte cannot pass)."""
+        for name, pad in self._pad.items():
+            t = self.tensors[name]
+            t.view(torch.uint8).fill_(POISON)
+            if pad:
+                t[t.shape[0] - pad :].view(torch.uint8).zero_()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.dim() <= 1 else t.view(torch.uint8).reshape(-1)
+
+
+def check_local_shards(plan: ReshardPlan, rank: int, local: Mapping[str, torch.Tensor]) -> None:
+    """Raise ManifestMismatch unless trainer `rank`'s local shards have the rows the plan assumes."""
+    problems = []
+    for p in plan.trainer.params:
+        lo, hi = plan.trainer.rows_of(p.name, rank)
+        want = (hi - lo, *p.shape[1:])
+        got = tuple(local[p.name].shape) if p.name in local else None
+        if got != want:
+            problems.append(
+                f"{p.name}: plan expects local shape {want} (rows {lo}:{hi}), trainer holds {got}"
+            )
+    if problems:
+        raise ManifestMismatch(
+            f"trainer rank {rank}: local shards do not match the plan: {'; '.join(problems[:5])}"
+        )
+
+
+def _source_bytes(t: Transfer, local: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    rows = local[t.source][t.src_rows[0] : t.src_rows[1]]
+    if t.cols is not None:
+        rows = rows[:, t.cols[0] : t.cols[1]]
+    data = _bytes(rows.contiguous())
+    if data.numel() != t.nbytes:  # the plan reads past the local shard: refuse, never send a short message
+        raise ManifestMismatch(
+            f"trainer rank {t.src}: the plan cuts {t.nbytes} B, its local shard {tuple(local[t.source].shape)} "
+            f"gives {data.numel()} B: {t.describe()}"
+        )
+    return data
+
+
+def send_shards(
+    plan: ReshardPlan,
+    rank: int,
+    local: Mapping[str, torch.Tensor],
+    batched: bool = True,
+    before_send: Callable[[int], None] | None = None,
+) -> int:
+    """Send every transfer trainer `rank` owns; returns the bytes sent. `batched`: every send posted at
+    once, then waited for in plan order; else one after another, `before_send(k)` called before the k-th
+    (k = 0, 1, ...)."""
+    check_local_shards(plan, rank, local)
+    todo = plan.sends_of(rank)
+    sent = 0
+    if batched:
+        works = [_post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan) for i, t in todo]
+        for (i, t), w in zip(todo, works):
+            _wait(w, t, i, "trainer", rank)
+            sent += t.nbytes
+        return sent
+    for k, (i, t) in enumerate(todo):
+        if before_send is not None:
+            before_send(k)
+        _wait(_post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan), t, i, "trainer", rank)
+        sent += t.nbytes
+    return sent
+
+
+def receive_shards(
+    plan: ReshardPlan, rank: int, shards: EngineShards, after_receive: Callable[[int], None] | None = None
+) -> int:
+    """Receive every transfer engine `rank` needs straight into its shards (every receive posted at once,
+    then waited for in plan order); returns the bytes received. `after_receive(k)` is called once k
+    transfers have landed (k = 1, 2, ...)."""
+    todo = plan.receives_of(rank)
+    views = []
+    for i, t in todo:
+        view = _bytes(shards.tensors[t.dest][t.dst_rows[0] : t.dst_rows[1]])
+        if view.numel() != t.nbytes:
+            raise ManifestMismatch(
+                f"engine rank {rank}: transfer #{i} carries {t.nbytes} B, its destination rows hold "
+                f"{view.numel()} B: {t.describe()}"
+            )
+        views.append(view)
+    works = [_post(dist.irecv, view, t, i, "engine", rank, plan) for (i, t), view in zip(todo, views)]
+    got = 0
+    for k, ((i, t), w) in enumerate(zip(todo, works), 1):
+        _wait(w, t, i, "engine", rank)
+        got += t.nbytes
+        if after_receive is not None:
+            after_receive(k)
+    return got
+
+
+def _post(op, buf: torch.Tensor, t: Transfer, i: int, role: str, rank: int, plan: ReshardPlan):
+    """Post one isend / irecv, tagged with the transfer's index. Posted one by one rather than through
+    dist.batch_isend_irecv (on gloo a loop over the same calls), so a post that gloo refuses because the
+    peer is already gone names that peer."""
+    peer = plan.world_rank("engine", t.dst) if role == "trainer" else plan.world_rank("trainer", t.src)
+    try:
+        return op(buf, peer, tag=i)
+    except Exception as exc:  # gloo raises RuntimeError / DistBackendError: named and re-raised
+        raise _transfer_error(exc, t, i, role, rank, 0.0) from exc
+
+
+def _wait(work, t: Transfer, i: int, role: str, rank: int) -> None:
+    t0 = time.monotonic()
+    try:
+        work.wait()
+    except Exception as exc:  # gloo raises RuntimeError / DistBackendError: named and re-raised
+        raise _transfer_error(exc, t, i, role, rank, time.monotonic() - t0) from exc
+
+
+def _transfer_error(exc: BaseException, t: Transfer, i: int, role: str, rank: int, waited: float):
+    peer = f"engine rank {t.dst}" if role == "trainer" else f"trainer rank {t.src}"
+    return TransferError(
+        f"{role} rank {rank}: transfer #{i} with {peer} failed after {waited:.1f}s "
+        f"({t.describe()}): {type(exc).__name__}: {str(exc)[:300]}"
+    )
+
+
+def simulate(
+    plan: ReshardPlan, trainer_locals: Mapping[int, Mapping[str, torch.Tensor]]
+) -> dict[int, EngineShards]:
+    """The plan's byte moves in one process (same cuts as send_shards / receive_shards, no wire): a
+    check of the plan's arithmetic fast enough for thousands of drawn layouts."""
+    engines = {r: EngineShards(plan, r) for r in range(plan.n_engines)}
+    for r, local in trainer_locals.items():
+        check_local_shards(plan, r, local)
+    for i, t in enumerate(plan.transfers):
+        view = _bytes(engines[t.dst].tensors[t.dest][t.dst_rows[0] : t.dst_rows[1]])
+        data = _source_bytes(t, trainer_locals[t.src])
+        if view.numel() != data.numel():
+            raise ManifestMismatch(
+                f"transfer #{i}: {t.nbytes} B planned, {data.numel()} B cut, {view.numel()} B of room: {t.describe()}"
+            )
+        view.copy_(data)
+    return engines
+
+
+def chunk_locals(plan: ReshardPlan, full: Mapping[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Each trainer rank's local shards cut with torch.chunk (what Shard(0) holds), for `simulate`."""
+    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(plan.n_trainers)}
+    for p in plan.trainer.params:
+        t = full[p.name]
+        parts = (
+            [t] * plan.n_trainers
+            if p.placement == REPLICATE
+            else list(torch.chunk(t, plan.n_trainers, dim=0))
+        )
+        parts += [t[t.shape[0] :]] * (plan.n_trainers - len(parts))  # chunk returns fewer parts than ranks
+        for r in range(plan.n_trainers):
+            out[r][p.name] = parts[r]
+    return out

@@ -1,0 +1,281 @@
+"""N trainer ranks and M engine ranks in one gloo world, spawned once and sent jobs: each job builds
+both layouts and the plan once, then syncs `steps` versions with it and judges every engine shard
+against the oracle. Starting a world costs seconds (N + M interpreters importing torch); a job on a
+tiny model costs a fraction of one, so a property test sends many jobs to one world.
+
+    with ReshardWorld(n_trainers=3, n_engines=2) as world:
+        run = world.run(job(ModelShape(), api="fsdp2"))
+        assert run.ok, run.summary()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import queue
+import signal
+import time
+import traceback
+import uuid
+from typing import Self
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harness.checks import bitwise_mismatches
+from harness.procs import describe_exit
+from harness.reshard.layout import ModelShape, engine_layout, full_weights, trainer_layout
+from harness.reshard.oracle import expected_engine_shards
+from harness.reshard.plan import ReshardPlan, build_plan
+from harness.reshard.sync import EngineShards, receive_shards, send_shards
+from harness.reshard.trainer_shards import DTENSOR, FSDP2, trainer_shards
+
+
+def job(
+    model: ModelShape,
+    api: str = FSDP2,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    steps: int = 2,
+    plan: ReshardPlan | None = None,
+    kill: tuple[str, int, int] | None = None,
+) -> dict:
+    """A job for ReshardWorld.run: `plan` replaces the one the ranks would build (the meta tests' broken
+    plans); `kill` = ("trainer", r, i): trainer rank r SIGKILLs itself before its i-th send of the first
+    step; ("engine", r, i): engine rank r once it has received i transfers."""
+    return {
+        "model": dataclasses.asdict(model),
+        "api": api,
+        "dtype": dtype,
+        "seed": seed,
+        "steps": steps,
+        "plan": plan.to_json() if plan is not None else None,
+        "kill": kill,
+    }
+
+
+def plan_of(job: dict, n: int, m: int) -> ReshardPlan:
+    """The plan every rank of a world builds for `job` (the same on every rank: it is deterministic)."""
+    if job.get("plan"):
+        return ReshardPlan.from_json(job["plan"])
+    model = ModelShape(**job["model"])
+    return build_plan(
+        trainer_layout(model, n, job["dtype"], replicate_norms=job["api"] == DTENSOR), engine_layout(model, m)
+    )
+
+
+@dataclasses.dataclass
+class WorldRun:
+    """What every rank reported for one job; `dead` ranks' exit, `silent` ranks that did not answer."""
+
+    n: int
+    m: int
+    reports: dict[int, dict]
+    dead: dict[int, str]
+    silent: list[int]
+    seconds: float
+
+    def name(self, world_rank: int) -> str:
+        return f"trainer rank {world_rank}" if world_rank < self.n else f"engine rank {world_rank - self.n}"
+
+    @property
+    def ok(self) -> bool:
+        return not self.dead and not self.silent and not self.problems()
+
+    def problems(self) -> list[str]:
+        out = []
+        for r, rep in sorted(self.reports.items()):
+            if rep.get("error"):
+                out.append(f"{self.name(r)}: {rep['error']}")
+            for s, step in enumerate(rep.get("steps", [])):
+                out += [f"{self.name(r)} step {s}: {p}" for p in step["problems"]]
+        return out
+
+    def measured_bytes(self, step: int = 0) -> dict[str, int]:
+        """{"trainer i" / "engine j": bytes the rank sent / received in step `step`}"""
+        return {
+            self.name(r).replace(" rank", ""): rep["steps"][step]["bytes"]
+            for r, rep in sorted(self.reports.items())
+            if len(rep.get("steps", [])) > step
+        }
+
+    def summary(self) -> str:
+        lines = [f"{self.n} trainer -> {self.m} engine ranks, {self.seconds:.2f}s"]
+        lines += [f"  {self.name(r)} died: {how}" for r, how in self.dead.items()]
+        lines += [f"  {self.name(r)} gave no answer" for r in self.silent]
+        probs = self.problems()
+        lines += [f"  {p}" for p in probs[:12]]
+        if len(probs) > 12:
+            lines.append(f"  ... and {len(probs) - 12} more")
+        return "\n".join(lines)
+
+
+def _rank_main(rank: int, n: int, m: int, port: int, prefix: str, jobs, reports, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, n + m, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=n + m, timeout=timeout
+    )
+    mesh = None
+    if rank < n:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh("cpu", list(range(n)))
+    reports.put({"rank": rank, "ready": True})
+    while True:
+        task = jobs.get()
+        if task is None:
+            break
+        try:
+            reports.put({"rank": rank, **_run_job(task, rank, n, m, mesh)})
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which judges the run
+            reports.put(
+                {
+                    "rank": rank,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc()[-2000:],
+                }
+            )
+    os._exit(0)  # every report was taken already; tearing down gloo and torch costs seconds per rank
+
+
+def _run_job(task: dict, rank: int, n: int, m: int, mesh) -> dict:
+    model = ModelShape(**task["model"])
+    plan = plan_of(task, n, m)
+    steps = []
+    shards = EngineShards(plan, rank - n) if rank >= n else None
+    layout = plan.trainer
+    for step in range(task["steps"]):
+        full = full_weights(model, task["dtype"], task["seed"] + step)
+        t0 = time.perf_counter()
+        if rank < n:
+            local = trainer_shards(task["api"], model, layout, full, mesh)
+            hook = _killer(task, "trainer", rank, step)
+            moved = send_shards(plan, rank, local, batched=hook is None, before_send=hook)
+            problems = []
+        else:
+            shards.poison()
+            moved = receive_shards(
+                plan, rank - n, shards, after_receive=_killer(task, "engine", rank - n, step)
+            )
+            expected = expected_engine_shards(full, plan.engine, rank - n)
+            problems = bitwise_mismatches(expected, shards.tensors)
+            for live, to in plan.tied().items():
+                if shards.tensors[live].data_ptr() != shards.tensors[to].data_ptr():
+                    problems.append(f"{live}: not the storage of {to} it is tied to")
+        steps.append({"bytes": moved, "seconds": time.perf_counter() - t0, "problems": problems})
+    return {"steps": steps}
+
+
+def _killer(task: dict, role: str, rank: int, step: int):
+    """The job's kill hook for this rank in this step (called with the count of messages so far), or None."""
+    kill = task.get("kill")
+    if not kill or step or tuple(kill[:2]) != (role, rank):
+        return None
+
+    def hook(count: int) -> None:
+        if count == kill[2]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+class ReshardWorld:
+    """N trainer + M engine rank processes in one gloo world (timeout_s: the process group's timeout,
+    which bounds any wait on a peer that is gone)."""
+
+    def __init__(
+        self, n_trainers: int, n_engines: int, timeout_s: float = 20.0, start_within_s: float = 120.0
+    ):
+        self.n, self.m, self.timeout_s = n_trainers, n_engines, timeout_s
+        self.broken = False
+        ctx = mp.get_context("spawn")
+        self._reports = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(self.n + self.m)]
+        # the parent hosts the store on a port the kernel picks and holds it for the world's life (a port
+        # picked free and then released can be taken by another run's world on a shared machine)
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.n + self.m,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=start_within_s),
+        )
+        port, prefix = self._store.port, f"reshard-{uuid.uuid4().hex}"
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, self.n, self.m, port, prefix, self._jobs[r], self._reports, timeout_s),
+                daemon=True,
+                name=f"reshard-rank-{r}",
+            )
+            for r in range(self.n + self.m)
+        ]
+        for p in self.procs:
+            p.start()
+        ready = set()
+        deadline = time.monotonic() + start_within_s
+        while len(ready) < len(self.procs):
+            if time.monotonic() > deadline or any(p.exitcode is not None for p in self.procs):
+                self.close()
+                raise RuntimeError(
+                    f"reshard world {self.n}+{self.m}: ranks {sorted(set(range(len(self.procs))) - ready)} "
+                    f"not up within {start_within_s:g}s; exits {[describe_exit(p.exitcode) for p in self.procs]}"
+                )
+            try:
+                ready.add(self._reports.get(timeout=0.2)["rank"])
+            except queue.Empty:
+                pass
+
+    def run(self, task: dict, within_s: float | None = None) -> WorldRun:
+        """Send `task` to every rank and collect their reports; a rank that dies is named with its exit,
+        and the others are waited for until `within_s` (default 2x the group timeout + 10 s)."""
+        if self.broken:
+            raise RuntimeError("this world lost a rank or a report in an earlier job; start a new one")
+        within_s = within_s if within_s is not None else 2 * self.timeout_s + 10
+        t0 = time.monotonic()
+        for q in self._jobs:
+            q.put(task)
+        reports: dict[int, dict] = {}
+        dead: dict[int, str] = {}
+        while time.monotonic() - t0 < within_s:
+            for r, p in enumerate(self.procs):
+                if p.exitcode is not None and r not in reports and r not in dead:
+                    dead[r] = describe_exit(p.exitcode)
+            if len(reports) + len(dead) == len(self.procs):
+                break
+            try:
+                rep = self._reports.get(timeout=0.1)
+                reports[rep["rank"]] = rep
+            except queue.Empty:
+                pass
+        silent = [r for r in range(len(self.procs)) if r not in reports and r not in dead]
+        run = WorldRun(self.n, self.m, reports, dead, silent, time.monotonic() - t0)
+        if dead or silent or any(rep.get("error") for rep in reports.values()):
+            self.broken = True  # a gloo group that lost a peer or a message is not reused
+        return run
+
+    def close(self) -> None:
+        for q in self._jobs:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + (0 if self.broken else 5)  # a broken group may never tear down
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._store = None  # the parent's listening socket goes with the world
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,32 @@
+"""Broken resharding planners the reshard suite must fail (WEIGHTSYNC_RESHARD_PLANNER names one)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harness.reshard.layout import EngineLayout, TrainerLayout
+from harness.reshard.plan import ReshardPlan, build_plan
+
+
+def off_by_one_row(plan: ReshardPlan) -> tuple[ReshardPlan, int]:
+    """The plan with one transfer's source rows moved by one row (+1, else -1, inside the trainer's local
+    shard where it can; else +1 past its end), and that transfer's index."""
+    moves = [(i, d) for d in (1, -1) for i, t in enumerate(plan.transfers) if _fits(plan, t, d)]
+    i, d = moves[0] if moves else (0, 1)
+    t = plan.transfers[i]
+    row = (t.src_bytes[1] - t.src_bytes[0]) // (t.src_rows[1] - t.src_rows[0]) if t.src_bytes else 0
+    moved = dataclasses.replace(
+        t,
+        src_rows=(t.src_rows[0] + d, t.src_rows[1] + d),
+        src_bytes=(t.src_bytes[0] + d * row, t.src_bytes[1] + d * row) if t.src_bytes else None,
+    )
+    return dataclasses.replace(plan, transfers=(*plan.transfers[:i], moved, *plan.transfers[i + 1 :])), i
+
+
+def _fits(plan: ReshardPlan, t, d: int) -> bool:
+    lo, hi = plan.trainer.rows_of(t.source, t.src)
+    return t.src_rows[0] + d >= 0 and t.src_rows[1] + d <= hi - lo
+
+
+def off_by_one_row_planner(trainer: TrainerLayout, engine: EngineLayout) -> ReshardPlan:
+    return off_by_one_row(build_plan(trainer, engine))[0]
