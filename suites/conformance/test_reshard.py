@@ -218,18 +218,24 @@ def test_sync_moves_the_plans_minimum_bytes_per_rank(reshard_worlds, request):
     )
 
 
+# (side, rank of that side): the rank killed, and which ranks of the other side must name it
+KILLS = [("trainer", 1), ("engine", 0)]
+
+
 @pytest.mark.multiproc
 @pytest.mark.faults
-def test_trainer_rank_killed_mid_sync_fails_naming_the_rank_in_bounded_time():
-    """Trainer rank 1 dies (SIGKILL) before its third send: every engine rank that waits on its bytes
-    fails with a TransferError naming trainer rank 1, and the run ends within the group timeout."""
+@pytest.mark.parametrize(("side", "rank"), KILLS, ids=[f"{side}{rank}" for side, rank in KILLS])
+def test_rank_killed_mid_sync_fails_naming_the_rank_in_bounded_time(side, rank):
+    """A rank dies (SIGKILL) once two of its transfers have happened: every rank of the other side that
+    exchanges bytes with it fails with a TransferError naming it, and the run ends within the group timeout."""
     timeout_s = 6.0
     model = ModelShape(vocab=70, hidden=12, heads=2, kv_heads=2, head_dim=4, intermediate=8)
     plan = plan_for(model, 3, 2, "bfloat16")
     with ReshardWorld(3, 2, timeout_s=timeout_s) as world:
-        run = world.run(job(model, steps=2, plan=plan, kill=("trainer", 1, 2)), within_s=3 * timeout_s)
-    assert run.dead == {1: "killed by SIGKILL"}, (
-        f"expected trainer rank 1 killed, got {run.dead}\n{run.summary()}"
+        run = world.run(job(model, steps=2, plan=plan, kill=(side, rank, 2)), within_s=3 * timeout_s)
+    global_rank = rank if side == "trainer" else 3 + rank
+    assert run.dead == {global_rank: "killed by SIGKILL"}, (
+        f"expected {side} rank {rank} killed, got {run.dead}\n{run.summary()}"
     )
     assert not run.silent, (
         f"ranks gave no answer within {3 * timeout_s:g}s (a hang): {run.silent}\n{run.summary()}"
@@ -237,37 +243,15 @@ def test_trainer_rank_killed_mid_sync_fails_naming_the_rank_in_bounded_time():
     assert run.seconds < 2 * timeout_s, (
         f"the failed sync took {run.seconds:.1f}s, over 2x the {timeout_s:g}s timeout"
     )
-    waiting = sorted({t.dst for t in plan.transfers if t.src == 1})
-    for e in waiting:
-        error = run.reports[3 + e].get("error") or ""
-        assert error.startswith("TransferError") and "trainer rank 1" in error, (
-            f"engine rank {e} waited on trainer rank 1's bytes; its error does not name it: {error[:400]!r}"
-        )
-
-
-@pytest.mark.multiproc
-@pytest.mark.faults
-def test_engine_rank_killed_mid_sync_fails_naming_the_rank_in_bounded_time():
-    """Engine rank 0 dies (SIGKILL) once two transfers have landed: every trainer rank that sends it
-    bytes fails with a TransferError naming engine rank 0, and the run ends within the group timeout."""
-    timeout_s = 6.0
-    model = ModelShape(vocab=70, hidden=12, heads=2, kv_heads=2, head_dim=4, intermediate=8)
-    plan = plan_for(model, 3, 2, "bfloat16")
-    with ReshardWorld(3, 2, timeout_s=timeout_s) as world:
-        run = world.run(job(model, steps=2, plan=plan, kill=("engine", 0, 2)), within_s=3 * timeout_s)
-    assert run.dead == {3: "killed by SIGKILL"}, (
-        f"expected engine rank 0 killed, got {run.dead}\n{run.summary()}"
-    )
-    assert not run.silent, (
-        f"ranks gave no answer within {3 * timeout_s:g}s (a hang): {run.silent}\n{run.summary()}"
-    )
-    assert run.seconds < 2 * timeout_s, (
-        f"the failed sync took {run.seconds:.1f}s, over 2x the {timeout_s:g}s timeout"
-    )
-    for t in sorted({t.src for t in plan.transfers if t.dst == 0}):
-        error = run.reports[t].get("error") or ""
-        assert error.startswith("TransferError") and "engine rank 0" in error, (
-            f"trainer rank {t} sends engine rank 0 bytes; its error does not name it: {error[:400]!r}\n{run.summary()}"
+    if side == "trainer":  # the engine ranks waiting on its bytes
+        peers = [3 + e for e in sorted({t.dst for t in plan.transfers if t.src == rank})]
+    else:  # the trainer ranks sending it bytes
+        peers = sorted({t.src for t in plan.transfers if t.dst == rank})
+    for peer in peers:
+        error = run.reports[peer].get("error") or ""
+        assert error.startswith("TransferError") and f"{side} rank {rank}" in error, (
+            f"global rank {peer} exchanges bytes with {side} rank {rank}; its error does not name it: "
+            f"{error[:400]!r}\n{run.summary()}"
         )
 
 
