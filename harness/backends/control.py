@@ -15,11 +15,14 @@ import secrets
 import signal
 from pathlib import Path
 
+import httpx
+
 from harness.api import (
     DEFAULT_TIMEOUT_S,
     Backend,
     Capabilities,
     EngineHandle,
+    RankFailure,
     Receiver,
     TransferError,
     WeightSpec,
@@ -68,12 +71,20 @@ class SupervisedHttpReceiver(HttpReceiver):
         try:
             return call(*args, **kwargs)
         except TransferError as exc:  # no answer, or no connection: the server cannot be trusted now
+            died = not self.rank.process.is_alive()
             self._kill(str(exc).splitlines()[0])
-            exc.add_note(
-                f"receiver: rank {self.rank.rank} (pid {self.rank.pid}, {self.client.base_url}) killed; log "
-                f"tail:\n{self.rank.log_tail(10)}"
+            where = f"rank {self.rank.rank} (pid {self.rank.pid}, {self.client.base_url})"
+            if not (died or isinstance(exc.__cause__, httpx.TransportError)):  # it answered with an error
+                exc.add_note(f"receiver: {where} killed; log tail:\n{self.rank.log_tail(10)}")
+                raise
+            # Dead, or killed for giving no answer in time: a RankFailure, as over a pipe (push() then
+            # restarts a rank found dead at start once, instead of failing a sync that never began).
+            what = (
+                "had died"
+                if died
+                else f"gave no reply to {call.__name__} over HTTP in time (killed; stacks in its log)"
             )
-            raise
+            raise RankFailure(f"{where} {what}: {exc}\nlog tail:\n{self.rank.log_tail(10)}") from exc
         except Exception as exc:
             exc.add_note(f"receiver: rank {self.rank.rank} ({self.client.base_url})")
             raise
