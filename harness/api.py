@@ -617,7 +617,7 @@ class Deployment(abc.ABC):
 DEFAULT_ENGINE = "harness.engines.reference:make_engine"
 
 
-CEILING_KINDS = ("device-copy", "p2p-copy", "nccl", "gloo", "disk", "memcpy")
+CEILING_KINDS = ("device-copy", "p2p-copy", "h2d-copy", "nccl", "gloo", "disk", "memcpy")
 
 
 class Backend(abc.ABC):
@@ -630,9 +630,15 @@ class Backend(abc.ABC):
     bucket_bytes: int | None = None
     #: The raw transport that bounds this path, measured beside it by `weightsync bench` and `certify`:
     #: one of CEILING_KINDS ("device-copy": a copy on the same GPU; "p2p-copy": a copy between two GPUs;
-    #: "nccl" / "gloo": a bare broadcast of the path's own bucket plan to the same ranks; "disk": file
-    #: write + fsync, then mapped by every receiver; "memcpy": a host copy). None: the harness guesses by the backend's type.
+    #: "h2d-copy": pinned host memory to the GPU (weights staged in host memory); "nccl" / "gloo": a bare
+    #: broadcast of the path's own bucket plan to the same ranks; "disk": file write + fsync, then mapped
+    #: by every receiver; "memcpy": a host copy). None: no ceiling, so its rows cannot be gated.
     ceiling: str | None = None
+    #: The throughput gate's two floors (harness.throughput_model): the fraction of the verified ceiling's
+    #: bandwidth the path must reach, and what one sync may cost beyond its bytes (ms). None: the default
+    #: of the declared ceiling kind (harness.bench.DEFAULT_FLOORS), and the report says so.
+    bandwidth_floor: float | None = None
+    fixed_cost_ms: float | None = None
 
     @abc.abstractmethod
     def deploy(

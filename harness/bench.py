@@ -25,21 +25,25 @@ from harness.checks import bitwise_mismatches
 from harness.deployment import push
 from harness.devices import normalize, run_device
 
-#: Default floors of the throughput gate (ratio to the ceiling), per path on CPU: regression gates set
-#: about 30% under the lowest a 2-core CI VM measured at 64 MiB, in the default tier's own run, on the
-#: two host types seen (2026-12-02; docs/performance.md, "Floors on CPU"): a host whose memcpy is twice
-#: as fast halves ipc's ratio to it, and a VM late in a long run pays page faults and fsync stalls the
-#: ceiling's warm repeats do not. A row below its floor, or with #wrong > 0, fails; `weightsync certify
-#: --floor PATH=RATIO` / `--weightsync-floor` set one for the hardware at hand.
-CPU_FLOORS = {"disk": 0.2, "broadcast": 0.25, "delta": 0.10, "ipc": 0.02, "delta-ipc": 0.008}
-GATED_FROM_BYTES = 64 << 20  # below, a fixed cost per sync (RPC, process wake-ups) dominates a 2-core host
-#: Floors of a path whose ceiling is a GPU transport (device copy, peer copy, NCCL), by the smallest size
-#: they apply from: end to end (start, prepare with digests, transfer, verify, commit, finish) against
-#: the ceiling of the same GPU measured in the same run. Delta paths are gated on the dense bytes they
-#: deliver (effective bandwidth), as on the CPU. `--floor PATH=RATIO` replaces a path's tiers with one.
-GPU_FLOOR_TIERS = ((256 << 20, 0.90), (64 << 20, 0.5))
-GPU_CEILINGS = ("device-copy", "p2p-copy", "nccl")
+#: The throughput gate (harness.throughput_model) by ceiling kind, for a backend that declares none of its
+#: own (`Backend.bandwidth_floor`, `Backend.fixed_cost_ms`): the fraction of the verified ceiling's
+#: bandwidth a path must reach, and what one sync may cost beyond its bytes (ms: the round trips to the
+#: ranks, the lifecycle calls). A row passes when its time is within `fixed + verified time / fraction`.
+#: GPU kinds: a verified sync can reach the verified ceiling (on the H200 same-GPU ipc moved its bytes at
+#: 1.00 of it, 2026-12-04), 0.85 leaves the noise. Host kinds: the 2-core CI VM, shared with other jobs
+#: (docs/performance.md, "The model"); a loaded host slows the fixed cost first.
+DEFAULT_FLOORS: dict[str, tuple[float, float]] = {
+    "device-copy": (0.85, 10.0),
+    "p2p-copy": (0.85, 10.0),
+    "h2d-copy": (0.85, 20.0),
+    "nccl": (0.85, 20.0),
+    "memcpy": (0.25, 60.0),
+    "gloo": (0.4, 80.0),  # broadcast: 0.65 (a path half as fast, 0.33, fails)
+    "disk": (0.2, 150.0),
+}
+GPU_CEILINGS = ("device-copy", "p2p-copy", "h2d-copy", "nccl")
 CEILING_REPEATS_PER_PUSH = 2
+BARE_PAYLOAD_BYTES = 16  # the bare lifecycle row: one bf16 element in each of the 8 tensors
 DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
 #: Parts of a row's critical path, in the order of its stacked bar: the trainer's prepare (digest,
 #: alloc, pack), the slowest receiver's transfer (wire, unpack, verify), its commit, and the rest
@@ -58,7 +62,7 @@ class SyncRow:
     algbw_gbs: float
     ceiling_gbs: float
     wrong: int
-    floor: float = 0.0
+    floor: float = 0.0  # the bandwidth floor: a fraction of the verified ceiling's bandwidth (0: not gated)
     ceiling_kind: str = ""  # which raw transport the ceiling is (Backend.ceiling): device-copy, gloo, ...
     device: str = "cpu"  # where the payload and the engines lived
     backend: str = ""  # the backend as it was named (a factory path); `path` is its display name
@@ -71,31 +75,57 @@ class SyncRow:
     )  # every sender phase (overlaps included)
     times_s: list[float] = dataclasses.field(default_factory=list)
     ceiling_times_s: list[float] = dataclasses.field(default_factory=list)
+    verified_times_s: list[float] = dataclasses.field(default_factory=list)  # the verified ceiling's repeats
+    fixed_allowed_s: float = 0.0  # what one sync may cost beyond its bytes (the gate's second floor)
+    floor_source: str = ""  # declared, default (ceiling kind), --floor
+    swept: bool = False  # a row of a bucket or changed-fraction sweep: measured, not gated, not fitted
 
     @property
     def ratio(self) -> float:
+        """algbw over the raw transport's bandwidth (the copy, the bare broadcast): shown, not gated."""
         return self.algbw_gbs / self.ceiling_gbs if self.ceiling_gbs else 0.0
 
     @property
+    def verified_gbs(self) -> float:
+        """The verified ceiling's bandwidth at this size: the raw transport plus the harness's digests."""
+        return self.size_bytes / min(self.verified_times_s) / 1e9 if self.verified_times_s else 0.0
+
+    @property
+    def allowed_s(self) -> float:
+        """The most this row may take: the fixed cost allowed plus the verified ceiling's time over the
+        bandwidth floor (0: not gated)."""
+        if not self.floor or not self.verified_times_s:
+            return 0.0
+        return self.fixed_allowed_s + min(self.verified_times_s) / self.floor
+
+    @property
     def verdict(self) -> str:
-        """ok; wrong (a tensor differed); unreliable (faster than its ceiling: the ceiling was not one);
-        below floor; or no ceiling."""
+        """ok; wrong (a tensor differed); unreliable (faster than its raw transport: the ceiling was not
+        one); below floor (slower than the two floors allow at its size); or no ceiling."""
         if self.wrong:
             return "wrong"
         if not self.ceiling_gbs:
             return "no ceiling"
         if self.ratio > 1.0:
             return "unreliable"
-        return "ok" if self.ratio >= self.floor else "below floor"
+        if self.allowed_s and self.time_s > self.allowed_s:
+            return "below floor"
+        return "ok"
 
     @property
     def passed(self) -> bool:
-        """The gate: nothing wrong, and at or above the floor where the row has one (an unreliable row
-        is not a pass: its ceiling was no ceiling)."""
+        """The gate: nothing wrong, and within what its floors allow where the row is gated (an unreliable
+        row is not a pass: its ceiling was no ceiling)."""
         return not self.wrong and (not self.floor or self.verdict == "ok")
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "ratio": round(self.ratio, 4), "verdict": self.verdict}
+        return {
+            **dataclasses.asdict(self),
+            "ratio": round(self.ratio, 4),
+            "verified_gbs": round(self.verified_gbs, 4),
+            "allowed_s": round(self.allowed_s, 6),
+            "verdict": self.verdict,
+        }
 
 
 #: The throughput table's columns, as every renderer heads them (the terminal in cli.py, report.md in
@@ -111,7 +141,8 @@ THROUGHPUT_COLUMNS = (
     "ceiling (GB/s)",
     "bound",
     "ratio",
-    "floor",
+    "verified (GB/s)",
+    "allowed (ms)",
     "#wrong",
     "verdict",
 )
@@ -120,7 +151,7 @@ THROUGHPUT_COLUMNS = (
 def throughput_cells(row: SyncRow) -> list[str]:
     """The cells of one throughput row as every renderer shows them (they only style them), one per
     THROUGHPUT_COLUMNS. The verdict cell is SyncRow.verdict (wrong, no ceiling, unreliable, below floor,
-    ok), gated or not: a row without a floor shows `–` in the floor column, and `passed` is what gates."""
+    ok), gated or not: a row that is not gated shows `–` as its allowed time, and `passed` is what gates."""
     return [
         row.path,
         str(row.receivers),
@@ -132,7 +163,8 @@ def throughput_cells(row: SyncRow) -> list[str]:
         f"{row.ceiling_gbs:.3f}",
         row.ceiling_kind or "–",
         f"{row.ratio:.2f}",
-        f"{row.floor:g}" if row.floor else "–",
+        f"{row.verified_gbs:.3f}" if row.verified_times_s else "–",
+        f"{row.allowed_s * 1e3:.2f}" if row.allowed_s else "–",
         str(row.wrong),
         row.verdict,
     ]
@@ -193,7 +225,7 @@ class SyncBench:
         size: int,
         receivers: int,
         workdir: str,
-        floor: float = 0.0,
+        gate: Gate | None = None,
         fraction: float | None = None,
         repeats: int = 5,
         engine: str | None = None,
@@ -207,7 +239,7 @@ class SyncBench:
             )
         if bucket_bytes is not None and bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-        self.backend, self.receivers, self.floor, self.engine = backend, receivers, floor, engine
+        self.backend, self.receivers, self.gate, self.engine = backend, receivers, gate, engine
         self.bucket_bytes = bucket_bytes
         self.kind = ceiling_kind(backend)
         # a GPU path's trainer holds its weights on the GPU: the run's, else the backend's own
@@ -226,6 +258,7 @@ class SyncBench:
         self._workdir = str(Path(workdir) / f"{backend.name}-{size}-{receivers}{bucket}")
         self._samples: list[tuple] = []  # (total, laps, sender at prepare, sender, receivers)
         self._ceiling_times: list[float] = []
+        self._verified_times: list[float] = []
         self._version = iter(range(1, 1 << 30))
         self.last = self.weights
 
@@ -262,7 +295,10 @@ class SyncBench:
     def before(self) -> tuple[tuple, dict]:
         """Untimed, before each push: two ceiling repeats, the next version; (args, kwargs) of push()."""
         if self.ceiling is not None:  # two per push: the best of a few is a ceiling, one sample is noise
-            self._ceiling_times += [self.ceiling.once() for _ in range(CEILING_REPEATS_PER_PUSH)]
+            for _ in range(CEILING_REPEATS_PER_PUSH):
+                raw, verified = self.ceiling.verified_once()
+                self._ceiling_times.append(raw)
+                self._verified_times.append(verified)
         weights = next(self._versions)
         phases.take()
         self._take_ranks()
@@ -312,7 +348,9 @@ class SyncBench:
             self.nbytes / total / 1e9,
             ceiling,
             wrong,
-            floor=self.floor,
+            floor=self.gate.bandwidth_floor if self.gate else 0.0,
+            fixed_allowed_s=self.gate.fixed_allowed_s if self.gate else 0.0,
+            floor_source=self.gate.source if self.gate else "",
             ceiling_kind=self.kind or "",
             device=self.device,
             changed=self.changed,
@@ -322,55 +360,73 @@ class SyncBench:
             sender=sender,
             times_s=[s[0] for s in self._samples],
             ceiling_times_s=self._ceiling_times,
+            verified_times_s=self._verified_times,
         )
 
 
 def gate_failures(rows: list[SyncRow]) -> list[str]:
-    """The rows that fail the throughput gate, one line each (for a report's verdict)."""
-    return [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
+    """The rows that fail the throughput gate, and the paths whose fitted line fails it, one line each
+    (for a report's verdict)."""
+    from harness.throughput_model import fit_paths
+
+    out = [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
+    for fit in fit_paths(rows):
+        out += [f"{fit.path} {fit.receivers}rx fitted: {why}" for why in fit.failures()]
+    return out
 
 
 class Floors(dict):
-    """Floors by path: the defaults with what the user set (`explicit`: the paths named on the command
-    line). A GPU row takes the GPU tiers unless its path was named, never the CPU default."""
-
-    explicit: frozenset[str] = frozenset()
+    """Bandwidth floors named on the command line (`--floor PATH=RATIO`), by path name: they replace what
+    the path declares or its ceiling kind's default."""
 
 
-def _explicit(floors: dict[str, float] | None) -> frozenset[str]:
-    if floors is None or floors is CPU_FLOORS:
-        return frozenset()
-    return floors.explicit if isinstance(floors, Floors) else frozenset(floors)
-
-
-def parse_floors(specs: list[str], defaults: dict[str, float]) -> Floors:
-    """`["ipc=0.7", ...]` over the defaults; a malformed one is a usage error naming it."""
-    floors = Floors(defaults)
-    floors.explicit = frozenset(spec.partition("=")[0].strip() for spec in specs)
+def parse_floors(specs: list[str]) -> Floors:
+    """`["ipc=0.7", ...]`; a malformed one is a usage error naming it."""
+    floors = Floors()
     for spec in specs:
         path, sep, value = spec.partition("=")
         try:
             ratio = float(value)
         except ValueError:
             ratio = -1.0
-        if not sep or not path or not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"floor {spec!r}: expected PATH=RATIO with RATIO between 0 and 1, e.g. ipc=0.7")
+        if not sep or not path.strip() or not 0.0 < ratio <= 1.0:
+            raise ValueError(
+                f"floor {spec!r}: expected PATH=RATIO with RATIO in (0, 1] (a fraction of the verified "
+                "ceiling's bandwidth), e.g. ipc=0.7"
+            )
         floors[path.strip()] = ratio
     return floors
 
 
-def floor_for(
-    path: str, size_bytes: int, floors: dict[str, float] | None = None, ceiling: str | None = None
-) -> float:
-    """The gate of a row: the path's floor at GATED_FROM_BYTES and above; smaller rows are reported only
-    (a fixed cost per sync dominates them). Against a GPU ceiling (GPU_CEILINGS) the floor is the tier of
-    GPU_FLOOR_TIERS the size reaches, unless `floors` names the path (`--floor PATH=RATIO`)."""
-    if size_bytes < GATED_FROM_BYTES:
-        return 0.0
-    if ceiling in GPU_CEILINGS and path not in _explicit(floors):
-        return next((floor for at, floor in GPU_FLOOR_TIERS if size_bytes >= at), 0.0)
-    floors = CPU_FLOORS if floors is None else floors
-    return floors.get(path, 0.0)
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """A path's two floors (harness.throughput_model) and where the bandwidth floor came from."""
+
+    bandwidth_floor: float
+    fixed_allowed_s: float
+    source: str
+
+
+def gate_for(backend: Backend, floors: dict[str, float] | None = None) -> Gate | None:
+    """The gate a backend's rows are judged by: `--floor PATH=RATIO` first, then what the backend declares
+    (`bandwidth_floor`, `fixed_cost_ms`), then its ceiling kind's default (DEFAULT_FLOORS) — never a floor
+    of zero. None where it declares no ceiling (its rows say "no ceiling")."""
+    kind = ceiling_kind(backend)
+    if kind is None:
+        return None
+    default_bw, default_ms = DEFAULT_FLOORS[kind]
+    declared_bw = getattr(backend, "bandwidth_floor", None)
+    declared_ms = getattr(backend, "fixed_cost_ms", None)
+    if floors and backend.name in floors:
+        bw, source = floors[backend.name], "--floor"
+    elif declared_bw is not None:
+        bw, source = float(declared_bw), "declared"
+    else:
+        bw, source = default_bw, f"default of {kind}"
+    ms = float(declared_ms) if declared_ms is not None else default_ms
+    if declared_ms is None:
+        source += f"; fixed: default of {kind}"
+    return Gate(bw, ms / 1e3, source)
 
 
 def measure_sync(
@@ -385,24 +441,27 @@ def measure_sync(
     engine: str | None = None,
     bucket_bytes: int | None = None,
     n_tensors: int = 8,
+    bare: bool = False,
 ) -> list[SyncRow]:
     """One row per size (SyncBench): the median of `repeats` full pushes, each preceded by two ceiling
     repeats; the ceiling is the best of its repeats. `engine`: the import path of the receivers' engine
     factory, None for the backend's default (it must take any bf16 spec: Capabilities.arbitrary_tensors).
-    `bucket_bytes`, `n_tensors`: as SyncBench takes them; a row of the bucket sweep is measured, not gated."""
+    `bucket_bytes`, `n_tensors`: as SyncBench takes them; a row of the bucket sweep is measured, not gated.
+    `bare`: first a row of the bare lifecycle (one element per tensor: the round trips with an empty
+    payload), which the fit (harness.throughput_model) starts from."""
     rows = []
+    sizes = ([BARE_PAYLOAD_BYTES] if bare else []) + list(sizes)
     swept = fraction not in (None, DEFAULT_CHANGED) or bucket_bytes is not None
     unit = f", {bucket_bytes / 2**20:g} MiB buckets" if bucket_bytes else ""
     with tempfile.TemporaryDirectory(prefix="weightsync-bench-") as tmp:
         for size in sizes:
             # gated in the RL regime at the backend's own unit; the rest of a sweep is measured, not gated
-            floor = 0.0 if swept else floor_for(backend.name, size, floors, ceiling_kind(backend))
             with SyncBench(
                 backend,
                 size,
                 receivers,
                 workdir or tmp,
-                floor,
+                None if swept else gate_for(backend, floors),
                 fraction,
                 repeats,
                 engine,
@@ -410,11 +469,15 @@ def measure_sync(
                 n_tensors=n_tensors,
             ) as bench:
                 for i in range(repeats):
+                    what = (
+                        f"{bench.nbytes / 2**20:.0f} MiB" if size > BARE_PAYLOAD_BYTES else "bare lifecycle"
+                    )
                     progress(
-                        f"{backend.name}: {receivers} receiver(s), {bench.nbytes / 2**20:.0f} MiB{unit}, "
-                        f"repeat {i + 1}/{repeats}"
+                        f"{backend.name}: {receivers} receiver(s), {what}{unit}, repeat {i + 1}/{repeats}"
                     )
                     args, _ = bench.before()
                     bench.push(*args)
-                rows.append(bench.row())
+                row = bench.row()
+                row.swept = swept
+                rows.append(row)
     return rows

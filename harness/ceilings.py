@@ -4,9 +4,15 @@ path's throughput is judged as a ratio to what the hardware and library give wit
 - disk: a file written with fsync, then mapped by every receiver process (the page cache's pages, as
   safetensors reads them);
 - gloo / nccl: a bare broadcast of the path's own messages (its bucket plan) to receiver processes;
-- memcpy: warm host copies, one per receiver; device-copy / p2p-copy: a copy on the GPU (or GPU to GPU).
+- memcpy: warm host copies, one per receiver; device-copy / p2p-copy: a copy on the GPU (or GPU to GPU);
+- h2d-copy: a copy from pinned host memory to the GPU (a path whose weights are staged in host memory).
 
-A backend declares which bounds it (`Backend.ceiling`); `make_ceiling` builds that one.
+A backend declares which bounds it (`Backend.ceiling`); `make_ceiling` builds that one. Each repeat also
+gives the *verified* ceiling (`Ceiling.verified_once`): the raw transport plus what a verified sync must
+add, the trainer's digest of its bytes and every receiver's digest of what it received, computed by the
+harness's own digests (xxh3 over the host's cores, ws64x2 on the GPU; a same-GPU copy and its digest are
+one fused pass, so a verified same-GPU sync moves 3N bytes where the copy moves 2N). The throughput
+model (harness.throughput_model) judges a path's fitted bandwidth against it.
 """
 
 from __future__ import annotations
@@ -27,13 +33,52 @@ from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 # ---------------------------------------------------------------------------- ceilings
 class Ceiling:
     """The raw transport under a path, set up once and timed one repeat at a time, so its repeats can
-    be interleaved with the path's own (a ceiling taken at another moment measures another machine)."""
+    be interleaved with the path's own (a ceiling taken at another moment measures another machine).
+
+    `src` (the trainer's bytes, cut as its tensors are) and `dst` (one receiver's copy of them) are what
+    `verified_once` digests; `receivers` digest one after another where they share the host's cores or
+    one GPU, side by side where each has a GPU of its own (`parallel_receivers`)."""
+
+    src: list[torch.Tensor] = []
+    dst: list[torch.Tensor] = []
+    receivers: int = 1
+    parallel_receivers: bool = False
 
     def once(self) -> float:
         raise NotImplementedError
 
+    def verified_once(self) -> tuple[float, float]:
+        """One repeat: (the raw transport's time, the verified ceiling's time = raw + the trainer's digest
+        + the receivers' digests)."""
+        raw = self.once()
+        rx = 1 if self.parallel_receivers else self.receivers
+        return raw, raw + timed_digest(self.src) + rx * timed_digest(self.dst)
+
     def close(self) -> None:
         pass
+
+
+def timed_digest(tensors: list[torch.Tensor]) -> float:
+    """Seconds the harness's own digest takes over `tensors` (their results read back to the host, as a
+    manifest needs them)."""
+    from harness.manifest import digests
+
+    if not tensors:
+        return 0.0
+    if tensors[0].device.type == "cuda":
+        torch.cuda.synchronize(tensors[0].device)
+    t0 = time.perf_counter()
+    digests(tensors)
+    return time.perf_counter() - t0
+
+
+def cut(buf: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Views of a flat uint8 buffer, one per tensor size (the digest runs per tensor, as a path's does)."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(buf[at : at + n])
+        at += n
+    return out
 
 
 class _ReceiverProcs:
@@ -119,8 +164,19 @@ class DiskCeiling(Ceiling):
     receiver process at once: 1 write, N reads, the path's file layout without its format or its commit
     protocol."""
 
-    def __init__(self, size_bytes: int, directory: str, receivers: int = 1, shard_bytes: int = 1 << 40):
+    def __init__(
+        self,
+        size_bytes: int,
+        directory: str,
+        receivers: int = 1,
+        shard_bytes: int = 1 << 40,
+        pieces: list[int] | None = None,
+    ):
         self.data = os.urandom(min(size_bytes, 1 << 20)) * max(1, size_bytes // (1 << 20))
+        self.receivers = receivers
+        flat = torch.frombuffer(bytearray(self.data), dtype=torch.uint8) if self.data else torch.empty(0)
+        self.src = cut(flat, _pieces(pieces, len(self.data)))
+        self.dst = [t.clone() for t in self.src]  # what a receiver verifies: its own pages
         step = max(1, min(shard_bytes, len(self.data)))
         self.chunks = [memoryview(self.data)[i : i + step] for i in range(0, len(self.data), step)]
         self.paths = [Path(directory) / f"ceiling-{k}.bin" for k in range(len(self.chunks))]
@@ -196,6 +252,8 @@ class CollectiveCeiling(Ceiling):
     def __init__(self, sizes: list[int], receivers: int, timeout_s: float = 120.0, backend: str = "gloo"):
         world = receivers + 1
         self.backend = backend
+        self.receivers = receivers
+        self.parallel_receivers = backend == "nccl"  # a GPU per rank: each verifies on its own
         timeout = datetime.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(
             "127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False
@@ -209,6 +267,8 @@ class CollectiveCeiling(Ceiling):
             self.group, self.device = _collective_group(backend, self._store, 0, world, timeout_s)
             self.ranks.wait_ready()
             self.bufs = [torch.ones(n, dtype=torch.uint8, device=self.device) for n in sizes]
+            self.src = self.bufs  # a bucket is digested as one piece, as the path verifies a bucket
+            self.dst = [torch.ones_like(b) for b in self.bufs]
         except BaseException:
             self.close()
             raise
@@ -231,21 +291,24 @@ class MemcpyCeiling(Ceiling):
     """Warm copies of the payload's bytes in this process, one per receiver at once (every engine gets
     its own copy; they share the host's cores and memory bandwidth as the receivers do)."""
 
-    def __init__(self, size_bytes: int, receivers: int = 1):
-        self.src = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8)
-        self.dst = [torch.empty_like(self.src) for _ in range(receivers)]
+    def __init__(self, size_bytes: int, receivers: int = 1, pieces: list[int] | None = None):
+        self.buf = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8)
+        self.copies = [torch.empty_like(self.buf) for _ in range(receivers)]
+        self.receivers = receivers
+        self.src = cut(self.buf, _pieces(pieces, size_bytes))
+        self.dst = cut(self.copies[0], _pieces(pieces, size_bytes))
         self.pool = cf.ThreadPoolExecutor(receivers) if receivers > 1 else None
         self.once()
 
     def _copy(self, k: int) -> None:
-        self.dst[k].copy_(self.src)
+        self.copies[k].copy_(self.buf)
 
     def once(self) -> float:
         t0 = time.perf_counter()
         if self.pool is None:
             self._copy(0)
         else:
-            list(self.pool.map(self._copy, range(len(self.dst))))
+            list(self.pool.map(self._copy, range(len(self.copies))))
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -259,7 +322,14 @@ class DeviceCopyCeiling(Ceiling):
     several receivers run one after another on the source GPU's stream, as the receivers share it. Timed
     on the host around a synchronize, as the path's lifecycle is."""
 
-    def __init__(self, size_bytes: int, receivers: int = 1, device: str = "cuda:0", peers: bool = False):
+    def __init__(
+        self,
+        size_bytes: int,
+        receivers: int = 1,
+        device: str = "cuda:0",
+        peers: bool = False,
+        pieces: list[int] | None = None,
+    ):
         src = torch.device(device)
         n = torch.cuda.device_count()
         if peers and n < 1 + receivers:
@@ -267,18 +337,73 @@ class DeviceCopyCeiling(Ceiling):
                 f"a peer-copy ceiling for {receivers} receiver(s) needs {1 + receivers} GPUs, have {n}"
             )
         targets = [torch.device("cuda", (src.index + 1 + k) % n) if peers else src for k in range(receivers)]
-        self.src = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8, device=src)
-        self.dst = [torch.empty(size_bytes, dtype=torch.uint8, device=t) for t in targets]
+        self.buf = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8, device=src)
+        self.copies = [torch.empty(size_bytes, dtype=torch.uint8, device=t) for t in targets]
+        self.receivers, self.parallel_receivers = receivers, peers
+        self.src = cut(self.buf, _pieces(pieces, size_bytes))
+        self.dst = cut(self.copies[0], _pieces(pieces, size_bytes))
         self.once()
 
     def once(self) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for d in self.dst:
-            d.copy_(self.src, non_blocking=True)
-        for d in {d.device for d in self.dst}:
+        for d in self.copies:
+            d.copy_(self.buf, non_blocking=True)
+        for d in {d.device for d in self.copies}:
             torch.cuda.synchronize(d)
         return time.perf_counter() - t0
+
+    def verified_once(self) -> tuple[float, float]:
+        """The same GPU: the trainer's digest (N read) and each receiver's copy-and-digest in one fused
+        pass (N read, N written): 3N bytes where the raw copy moves 2N. A peer copy: copy, then digest."""
+        from harness import device_digest
+
+        raw = self.once()
+        if self.parallel_receivers or not device_digest.copy_kernel_available():
+            return super().verified_once()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        from harness.manifest import digests
+
+        digests(self.src)
+        for _ in range(self.receivers):
+            device_digest.copy_and_digest(self.src)
+        torch.cuda.synchronize()
+        return raw, raw + time.perf_counter() - t0
+
+
+class PinnedHostCopyCeiling(Ceiling):
+    """A path whose weights are staged in pinned host memory (checkpoint-engine registers them there):
+    each receiver's bytes come over the host-to-device link (PCIe: ~55 GB/s on the H200 host, not the
+    device copy's 2.1 TB/s). Verified: the trainer's digest on its GPU, each receiver's digest of its copy."""
+
+    def __init__(
+        self, size_bytes: int, receivers: int = 1, device: str = "cuda:0", pieces: list[int] | None = None
+    ):
+        dev = torch.device(device)
+        self.staged = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8).pin_memory()
+        self.copies = [torch.empty(size_bytes, dtype=torch.uint8, device=dev) for _ in range(receivers)]
+        self.buf = torch.randint(0, 255, (size_bytes,), dtype=torch.uint8, device=dev)  # the trainer's
+        self.receivers = receivers
+        self.src = cut(self.buf, _pieces(pieces, size_bytes))
+        self.dst = cut(self.copies[0], _pieces(pieces, size_bytes))
+        self.once()
+
+    def once(self) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for d in self.copies:
+            d.copy_(self.staged, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def _pieces(pieces: list[int] | None, total: int) -> list[int]:
+    """The tensor sizes a ceiling's bytes are digested in: the payload's (fitted to the bytes the ceiling
+    holds), else one piece."""
+    if not pieces or sum(pieces) != total:
+        return [total]
+    return pieces
 
 
 def ceiling_kind(backend: Backend) -> str | None:
@@ -305,18 +430,21 @@ def make_ceiling(
     tensor larger than a bucket goes whole), not the payload cut at bucket_bytes (64 messages of 1 MiB
     took 52 ms where the path's 8 of 8 MiB take 20: a ceiling the path beats is no ceiling).
     `bucket_bytes`: the unit the path was deployed with, where it is not the backend's own."""
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    pieces = [t.numel() * t.element_size() for t in weights.values()]
+    nbytes = sum(pieces)
     kind = ceiling_kind(backend)
     if kind == "disk":
         shard_bytes = bucket_bytes or getattr(backend, "shard_bytes", 1 << 40)
-        return DiskCeiling(nbytes, workdir, receivers, shard_bytes)
+        return DiskCeiling(nbytes, workdir, receivers, shard_bytes, pieces)
     if kind in ("gloo", "nccl"):
         bucket_bytes = bucket_bytes or getattr(backend, "bucket_bytes", None) or DEFAULT_BUCKET_BYTES
         _, sizes = bucket_plan((t.numel() * t.element_size() for t in weights.values()), bucket_bytes)
         return CollectiveCeiling(sizes, receivers, backend=kind)
+    device = next((str(t.device) for t in weights.values() if t.device.type == "cuda"), "cuda:0")
     if kind in ("device-copy", "p2p-copy"):
-        device = next((str(t.device) for t in weights.values() if t.device.type == "cuda"), "cuda:0")
-        return DeviceCopyCeiling(nbytes, receivers, device, peers=kind == "p2p-copy")
+        return DeviceCopyCeiling(nbytes, receivers, device, peers=kind == "p2p-copy", pieces=pieces)
+    if kind == "h2d-copy":
+        return PinnedHostCopyCeiling(nbytes, receivers, device, pieces)
     if kind == "memcpy":
-        return MemcpyCeiling(nbytes, receivers)
+        return MemcpyCeiling(nbytes, receivers, pieces)
     return None

@@ -187,12 +187,13 @@ def throughput_engine(name: str) -> tuple[str, str]:
 
 
 def certify(args: argparse.Namespace) -> int:
-    from harness.bench import CPU_FLOORS, measure_sync, parse_floors
+    from harness.bench import measure_sync, parse_floors
     from harness.report import EXIT_STATUS, write_report
 
     # Every name is resolved before anything runs: a typo is a usage error in seconds, with no report folder.
     try:
-        floors = parse_floors(args.floor, CPU_FLOORS)
+        floors = parse_floors(args.floor)
+        args.sizes_mib = args.sizes_mib or default_sizes_mib(run_device())
         backends = {name: resolve_backend(name) for name in args.backend}
         engine_caps = engine_capabilities(args.engine)  # the engine factory resolves and imports
         bench_engine, bench_note = throughput_engine(args.engine)
@@ -230,6 +231,7 @@ def certify(args: argparse.Namespace) -> int:
                         floors=floors,
                         progress=lambda msg: status.update(f"[bold]throughput[/] {msg}"),
                         engine=bench_engine,
+                        bare=True,
                     )
                 except Exception as exc:  # noqa: BLE001 - a measurement that raised is missing evidence
                     missing.append(f"throughput {name}: not measured ({type(exc).__name__}: {exc})")
@@ -262,6 +264,7 @@ def certify(args: argparse.Namespace) -> int:
     )
     if rows:
         console.print(throughput_table(rows, bench_note))
+        console.print(fit_table(rows))
     data = json.loads((out / "results.json").read_text())
     verdict = data["verdict"]
     for reason in data["reasons"]["failed"]:
@@ -360,15 +363,27 @@ def throughput_table(rows: list, note: str) -> Table:
     return table
 
 
+def fit_table(rows: list) -> Table:
+    """Each path's fitted fixed cost and bandwidth beside its floors, as the terminal shows them."""
+    from harness.throughput_model import FIT_COLUMNS, fit_cells, fit_paths
+
+    fits = Table(title="fitted: time = fixed + bytes / bandwidth (against the verified ceiling)")
+    for col in FIT_COLUMNS:
+        fits.add_column(col, justify="right")
+    for fit in fit_paths(rows):
+        fits.add_row(*fit_cells(fit))
+    return fits
+
+
 def bench(args: argparse.Namespace) -> int:
     """The throughput table, its breakdown and the scaling tables over a grid of sizes and receiver
     counts (and changed fractions for delta paths, bucket sizes with --bucket-mib), gated like certify's,
     as reports/bench-<stamp>/."""
-    from harness.bench import CPU_FLOORS, DEFAULT_CHANGED, measure_sync, parse_floors
+    from harness.bench import DEFAULT_CHANGED, measure_sync, parse_floors
     from harness.perf_report import write_perf_report
 
     try:
-        floors = parse_floors(args.floor, CPU_FLOORS)
+        floors = parse_floors(args.floor)
         backends = [resolve_backend(name) for name in args.backend]
         engine, note = throughput_engine(args.engine)
         if any(mib <= 0 for mib in args.bucket_mib):
@@ -401,6 +416,7 @@ def bench(args: argparse.Namespace) -> int:
                         fraction=fraction,
                         progress=lambda msg: status.update(f"[bold]bench[/] {msg}"),
                         engine=engine,
+                        bare=fraction in (None, DEFAULT_CHANGED),
                     )
                 _print_rows(rows[done:])
         if args.bucket_mib and not backend.capabilities.buckets:
@@ -451,15 +467,32 @@ def _print_rows(rows: list) -> None:
             f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
             f"{f' {r.changed:.1%} changed' if r.changed else ''}"
             f"{f' {r.bucket_bytes / 2**20:g} MiB buckets' if r.bucket_bytes else ''}: {r.time_s * 1e3:.1f} ms, "
-            f"ratio {r.ratio:.2f} ({r.verdict}), #wrong {r.wrong}"
+            f"ratio {r.ratio:.2f}, allowed {r.allowed_s * 1e3:.1f} ms ({r.verdict}), #wrong {r.wrong}"
         )
 
 
 DEVICE_HELP = (
     "where the trainer's weights and the engines live: cpu (default) or a GPU (cuda, cuda:0); on a GPU each "
     "built-in path runs its GPU variant, engines are built on that device, and throughput is gated against "
-    "a GPU ceiling (harness.bench.GPU_FLOOR_TIERS)"
+    "the GPU's verified ceiling (docs/performance.md)"
 )
+
+#: Throughput sizes when none are named: from where the fixed cost dominates to where the bytes do (a bare
+#: lifecycle row is added to them). A GPU moves 64 MiB in tens of microseconds: its sizes reach 4 GiB.
+CPU_SIZES_MIB = (1, 16, 64)
+GPU_SIZES_MIB = (64, 1024, 4096)
+
+
+def default_sizes_mib(device: str) -> list[int]:
+    """The throughput sizes of a run on `device`: CPU_SIZES_MIB, or GPU_SIZES_MIB cut to what fits in a
+    sixth of the GPU's free memory (the payload, the engines' copies, the ceiling's buffers)."""
+    if device == "cpu":
+        return list(CPU_SIZES_MIB)
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    fits = [s for s in GPU_SIZES_MIB if (s << 20) * 6 <= free]
+    return fits if len(fits) >= 2 else list(GPU_SIZES_MIB[:2])
 
 
 def default_backends(device: str) -> list[str]:
@@ -524,7 +557,15 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", default=os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"]
     )
     c.add_argument("--out", default="reports", help="report directory (default: reports/)")
-    c.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 16, 64], help="throughput payload sizes")
+    c.add_argument(
+        "--sizes-mib",
+        type=int,
+        nargs="+",
+        default=None,
+        help="throughput payload sizes, MiB (default: 1 16 64 on a CPU, 64 1024 4096 on a GPU, cut to its "
+        "memory); a bare lifecycle row (an empty payload) is added, and each path's time is fitted as "
+        "fixed + bytes / bandwidth over them",
+    )
     c.add_argument("--repeats", type=int, default=3)
     c.add_argument("--no-bench", action="store_true", help="skip the throughput table")
     c.add_argument(
@@ -532,8 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="PATH=RATIO",
-        help="throughput gate of a path: its ratio to the ceiling at 64 MiB and up (repeatable; "
-        "defaults in harness.bench.CPU_FLOORS; see docs/performance.md)",
+        help="bandwidth floor of a path: the fraction of its verified ceiling's bandwidth it must reach "
+        "(repeatable; default: what the backend declares, else its ceiling kind's in "
+        "harness.bench.DEFAULT_FLOORS; see docs/performance.md)",
     )
     c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
     c.add_argument(

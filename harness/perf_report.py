@@ -10,6 +10,7 @@ from pathlib import Path
 
 from harness.bench import DEFAULT_CHANGED, SyncRow, gate_failures
 from harness.report import environment, throughput_section
+from harness.throughput_model import fit_paths
 
 
 def _plt():
@@ -231,6 +232,7 @@ def write_perf_report(
         "failed": failed,
         "delta_crossover": crossover,
         "rows": [r.to_json() for r in everything],
+        "fits": [f.to_json() for f in fit_paths(everything)],
     }
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
     gated = [r for r in rows if r.changed in (0.0, DEFAULT_CHANGED)]  # the sweep's other fractions: below

@@ -196,8 +196,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="PATH=RATIO",
-        help="throughput gate of a path (ratio to its ceiling, rows of 64 MiB and up); repeatable; "
-        "defaults: harness.bench.CPU_FLOORS",
+        help="bandwidth floor of a path (a fraction of its verified ceiling's bandwidth); repeatable; "
+        "default: the backend's declared floor, else harness.bench.DEFAULT_FLOORS by ceiling kind",
     )
     group.addoption(
         "--weightsync-hypothesis-profile",
@@ -284,10 +284,10 @@ def selects_weightsync(config: pytest.Config) -> bool:
 
 
 def floors_of(config: pytest.Config) -> dict[str, float]:
-    """The throughput floors: harness.bench's defaults, with every --weightsync-floor PATH=RATIO applied."""
-    from harness.bench import CPU_FLOORS, parse_floors
+    """The bandwidth floors named with --weightsync-floor PATH=RATIO (the rest: harness.bench.gate_for)."""
+    from harness.bench import parse_floors
 
-    return parse_floors(config.getoption("--weightsync-floor"), CPU_FLOORS)
+    return parse_floors(config.getoption("--weightsync-floor"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

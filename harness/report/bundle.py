@@ -28,6 +28,7 @@ from harness.report.markdown_page import (
     verdict_section,
 )
 from harness.report.plots import rows_by_path
+from harness.throughput_model import fit_paths
 
 
 def merge_junit(out_dir: Path, target: Path) -> dict[str, int]:
@@ -103,6 +104,7 @@ def write_report(
         "throughput_engine": throughput_engine if rows else None,
         "throughput_note": throughput_note,
         "throughput_gate": {"failed": gate_failures(rows)},
+        "throughput_fits": [f.to_json() for f in fit_paths(rows)],
         "junit": junit,
     }
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))

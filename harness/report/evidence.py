@@ -158,8 +158,15 @@ def decide(
         if not r.passed:
             decision.failed.append(
                 f"throughput {r.path} {r.receivers}rx {r.size_bytes} B: {r.verdict} "
-                f"(#wrong {r.wrong}, ratio {r.ratio:.3f}, floor {r.floor or '-'})"
+                f"(#wrong {r.wrong}, {r.time_s * 1e3:.2f} ms where {r.allowed_s * 1e3:.2f} ms is allowed: "
+                f"fixed {r.fixed_allowed_s * 1e3:g} ms + verified ceiling time / floor {r.floor or '-'})"
             )
+    from harness.throughput_model import fit_paths
+
+    for fit in fit_paths(rows or []):
+        decision.failed += [
+            f"throughput {fit.path} {fit.receivers}rx fitted: {why}" for why in fit.failures()
+        ]
     decision.undecided += list(missing)
     if not results and not faults and not rows:
         decision.undecided.append("no evidence: nothing was run")
@@ -211,7 +218,7 @@ def bench_rerun(row: Any, engine: str = "reference", repeats: int = 3) -> str:
     ]
     if row.changed:
         cmd += ["--delta-fractions", f"{row.changed:g}"]
-    if row.floor:
+    if row.floor and row.floor_source.startswith("--floor"):
         cmd += ["--floor", f"{row.path}={row.floor:g}"]
     if engine != "reference":
         cmd += ["--engine", engine]

@@ -220,8 +220,9 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
     if rows:
         parts.append(
             "<p>Full lifecycle per push, median of repeats; algbw = bytes / time; ceiling = the raw transport "
-            "on this machine; ratio = algbw / ceiling (the gate); #wrong = tensors not bitwise equal (must be 0). "
-            "docs/performance.md explains every column.</p>"
+            "on this machine; ratio = algbw / ceiling; verified = the ceiling plus the harness's digests; a row "
+            "fails over allowed = the fixed cost allowed + the verified time / the bandwidth floor; #wrong = "
+            "tensors not bitwise equal (must be 0). docs/performance.md explains every column.</p>"
         )
         body = []
         for r in rows:
@@ -229,6 +230,21 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
             css = "fail" if not r.passed else "ok" if verdict == "ok" else "unknown"
             body.append([*cells, f'<td class="{css}">{_e(verdict)}</td>'])
         parts.append(_table(list(THROUGHPUT_COLUMNS), body, numeric_from=1))
+        from harness.throughput_model import FIT_COLUMNS, fit_cells, fit_paths
+
+        fits = fit_paths(rows)
+        if fits:
+            parts.append("<h3>Fixed cost and bandwidth</h3>")
+            parts.append(
+                "<p>Each path's time fitted as fixed + bytes / bandwidth over its sizes; the bandwidth "
+                "against the verified ceiling's, the fixed cost against what the path may cost per sync.</p>"
+            )
+            fit_body = []
+            for fit in fits:
+                *cells, verdict = fit_cells(fit)
+                css = "ok" if verdict == "ok" else "fail" if fit.failures() else "unknown"
+                fit_body.append([*cells, f'<td class="{css}">{_e(verdict)}</td>'])
+            parts.append(_table(list(FIT_COLUMNS), fit_body, numeric_from=1))
         parts.append(_image(out_dir / "throughput.png", "throughput"))
         parts.append(_image(out_dir / "breakdown.png", "where the time goes"))
 

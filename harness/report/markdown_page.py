@@ -102,6 +102,30 @@ def throughput_table(rows: list[SyncRow]) -> list[str]:
     ]
 
 
+def fit_section(rows: list[SyncRow]) -> list[str]:
+    """Each path's time fitted as fixed + bytes / bandwidth (harness.throughput_model), beside its floors."""
+    from harness.throughput_model import FIT_COLUMNS, fit_cells, fit_paths
+
+    fits = fit_paths(rows)
+    if not fits:
+        return []
+    align = ["---" if c in ("path", "floor", "verdict") else "--:" for c in FIT_COLUMNS]
+    md = [
+        "",
+        "### Fixed cost and bandwidth",
+        "",
+        "Each path's median times fitted as `time = fixed + bytes / bandwidth` over its sizes (least squares; "
+        "bare = the lifecycle with an empty payload). The bandwidth is judged against the verified "
+        "ceiling's, fitted over the same sizes (ratio, floor and where the floor came from); the fixed cost "
+        "against what the path may cost per sync (allowed).",
+        "",
+    ]
+    md += ["| " + " | ".join(cells) + " |" for cells in (FIT_COLUMNS, align, *map(fit_cells, fits))]
+    for fit in fits:
+        md += [f"- **{fit.path} {fit.receivers}rx**: {why}" for why in fit.failures()]
+    return md
+
+
 def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
     """The sync table with its gate and where the time goes, plots drawn into out_dir (certify and bench)."""
     md = [
@@ -111,11 +135,15 @@ def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
         "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
         "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
         "the fastest kept (disk: write+fsync, then every receiver process maps the files; broadcast: bare gloo broadcast of "
-        "the path's own messages to receiver processes; ipc: memcpy); #wrong = tensors not bitwise equal after the timed pushes. A row "
-        "of 64 MiB and up fails below its floor; a ratio above 1.0 is **unreliable** (not passed).",
+        "the path's own messages to receiver processes; ipc: memcpy; a GPU path: the copy on its GPU), shown as "
+        "ratio = algbw / ceiling; verified = the ceiling plus the harness's digests on both sides (what a "
+        "verified sync cannot beat); #wrong = tensors not bitwise equal after the timed pushes. A row fails "
+        "when its time is over **allowed** = the fixed cost the path may spend + the verified ceiling's time "
+        "/ the bandwidth floor; a ratio above 1.0 is **unreliable** (not passed).",
         "",
     ]
     md += throughput_table(rows)
+    md += fit_section(rows)
     if plot_throughput(rows, out_dir / "throughput.png"):
         md += ["", "![throughput](throughput.png)"]
     md += [

@@ -24,7 +24,9 @@ def _cut_into_small_messages(backend, weights, receivers, workdir, bucket_bytes=
 
 def test_a_ceiling_slower_than_its_path_never_passes_the_gate(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "make_ceiling", _cut_into_small_messages)
-    with bench.SyncBench(BroadcastBackend(), SIZE, 1, str(tmp_path), floor=0.25, repeats=3) as measure:
+    with bench.SyncBench(
+        BroadcastBackend(), SIZE, 1, str(tmp_path), gate=bench.Gate(0.25, 0.08, "test"), repeats=3
+    ) as measure:
         for _ in range(3):
             args, kwargs = measure.before()
             measure.push(*args, **kwargs)

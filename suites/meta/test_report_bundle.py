@@ -27,7 +27,10 @@ def _suite(*statuses: str, **extra) -> dict:
 
 
 def _row(wrong: int = 0, ratio: float = 0.8, floor: float = 0.6) -> SyncRow:
-    return SyncRow("disk", 1, 64 << 20, 8, "bf16", 0.1, ratio, 1.0, wrong, floor=floor)
+    """A row whose verified ceiling is `ratio` of its time: at 0.6 and up it is within what `floor` allows."""
+    return SyncRow(
+        "disk", 1, 64 << 20, 8, "bf16", 0.1, ratio, 1.0, wrong, floor=floor, verified_times_s=[0.1 * ratio]
+    )
 
 
 def _fault_run(verdict: str, status: str) -> dict:
@@ -229,7 +232,9 @@ def test_rerun_lines_carry_the_profile_the_seed_and_the_delta_fraction():
         f"python -m pytest '{NODE}' --weightsync-backend=disk --weightsync-engine=vllm "
         "--weightsync-receivers=1 --weightsync-fault-seed=3 --weightsync-hypothesis-profile=thorough"
     ), line
-    row = SyncRow("delta", 2, 64 << 20, 8, "bf16", 0.1, 0.05, 1.0, 0, floor=0.12, changed=0.01)
+    row = SyncRow(
+        "delta", 2, 64 << 20, 8, "bf16", 0.1, 0.05, 1.0, 0, floor=0.12, changed=0.01, floor_source="--floor"
+    )
     assert bench_rerun(row, repeats=5) == (
         "weightsync bench --backend delta --sizes-mib 64 --receivers 2 --repeats 5 "
         "--delta-fractions 0.01 --floor delta=0.12"
@@ -243,8 +248,9 @@ def test_rerun_lines_name_the_device_and_the_factory_a_run_was_given():
 
     suite = _suite("failed", device="cuda:0")
     row = SyncRow(
-        "checkpoint-engine", 1, 64 << 20, 8, "bf16", 0.5, 0.1, 1400.0, 0, floor=0.5, device="cuda:0"
-    )
+        "checkpoint-engine", 1, 64 << 20, 8, "bf16", 0.5, 0.1, 1400.0, 0, floor=0.5, device="cuda:0",
+        verified_times_s=[0.01],
+    )  # fmt: skip
     row.backend = "weightsync_checkpoint_engine:make_backend"
     conformance, throughput = (r["command"] for r in reruns({"disk": suite}, {}, [row], "reference", "1"))
     assert conformance.endswith("--weightsync-device=cuda:0"), conformance

@@ -1,12 +1,14 @@
-"""The whole sync as a trainer pays it, on pytest-benchmark, gated by its ratio to the transport's ceiling.
+"""The whole sync as a trainer pays it, on pytest-benchmark, gated against the transport's verified ceiling.
 
 Each test pushes `repeats` new versions through a fresh deployment of the selected path (start, prepare,
 transfer, finish on every engine); before each push, untimed, two repeats of the ceiling (the raw
-transport: file write+fsync+reads, bare gloo broadcast, memcpy) run, so ceiling and path see the same
-machine. pytest-benchmark times the pushes (its JSON, `--benchmark-save` / `--benchmark-compare`, is
-the regression record); the verdict is the ratio gate (harness.bench.SyncRow): #wrong must be 0, the
-ratio at or above the path's floor (`--weightsync-floor PATH=RATIO`, defaults in harness.bench.CPU_FLOORS),
-and a ratio above 1.0 is UNRELIABLE (skipped with the figures, never passed).
+transport: file write+fsync+reads, bare gloo broadcast, memcpy; and with the harness's digests added, the
+verified ceiling) run, so ceiling and path see the same machine. pytest-benchmark times the pushes (its
+JSON, `--benchmark-save` / `--benchmark-compare`, is the regression record); the verdict is the gate of
+harness.bench.SyncRow: #wrong must be 0 and the time within `fixed allowed + verified ceiling time /
+bandwidth floor` (`--weightsync-floor PATH=RATIO`, else the path's declared floors, else
+harness.bench.DEFAULT_FLOORS by ceiling kind); a path faster than its raw transport is UNRELIABLE (skipped
+with the figures, never passed).
 
 Retry budget: 2 attempts. A row below its floor is measured once more with a fresh deployment (outside
 pytest-benchmark, which times one run per test); it fails only if both attempts are below, and the message
@@ -20,8 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.bench import SyncBench, floor_for
-from harness.ceilings import ceiling_kind
+from harness.bench import SyncBench, gate_for
 from harness.pytest_plugin import floors_of
 
 pytestmark = pytest.mark.multiproc
@@ -49,8 +50,10 @@ ATTEMPTS = 2  # the gate's retry budget (see the module docstring)
 def _figures(row) -> str:
     return (
         f"{row.path} {row.receivers} rx {row.size_bytes / 2**20:.0f} MiB: {row.algbw_gbs:.3f} GB/s = "
-        f"{row.ratio:.3f} of its ceiling {row.ceiling_gbs:.3f} GB/s (floor {row.floor}); median "
-        f"{row.time_s * 1e3:.1f} ms = " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items())
+        f"{row.ratio:.3f} of its raw ceiling {row.ceiling_gbs:.3f} GB/s, verified ceiling "
+        f"{row.verified_gbs:.3f} GB/s; median {row.time_s * 1e3:.1f} ms, allowed {row.allowed_s * 1e3:.1f} ms "
+        f"(fixed {row.fixed_allowed_s * 1e3:g} ms + verified time / {row.floor:g}, {row.floor_source}) = "
+        + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row.parts.items())
     )
 
 
@@ -65,15 +68,15 @@ def _gate(rows, benchmark) -> None:
     assert row.passed, f"below the floor in {len(rows)} of {ATTEMPTS} attempts: {attempts}"
 
 
-def _run(benchmark, backend, size, receivers, tmp_path, floor, rounds=REPEATS):
-    with SyncBench(backend, size, receivers, str(tmp_path), floor=floor, repeats=rounds) as bench:
+def _run(benchmark, backend, size, receivers, tmp_path, gate, rounds=REPEATS):
+    with SyncBench(backend, size, receivers, str(tmp_path), gate=gate, repeats=rounds) as bench:
         benchmark.pedantic(bench.push, setup=bench.before, rounds=rounds, iterations=1)
         return bench.row()
 
 
-def _run_again(backend, size, receivers, tmp_path, floor, rounds=REPEATS):
+def _run_again(backend, size, receivers, tmp_path, gate, rounds=REPEATS):
     """The same measurement with a fresh deployment, timed by SyncBench alone."""
-    with SyncBench(backend, size, receivers, str(tmp_path / "again"), floor=floor, repeats=rounds) as bench:
+    with SyncBench(backend, size, receivers, str(tmp_path / "again"), gate=gate, repeats=rounds) as bench:
         for _ in range(rounds):
             args, kwargs = bench.before()
             bench.push(*args, **kwargs)
@@ -85,10 +88,10 @@ def test_sync_throughput_against_its_ceiling(
 ):
     backend = weightsync_selection.backends[path_name]
     size = pytestconfig.getoption("--weightsync-bench-mib") << 20
-    floor = floor_for(backend.name, size, floors_of(pytestconfig), ceiling_kind(backend))
-    rows = [_run(benchmark, backend, size, 1, tmp_path, floor)]
+    gate = gate_for(backend, floors_of(pytestconfig))
+    rows = [_run(benchmark, backend, size, 1, tmp_path, gate)]
     if rows[0].wrong == 0 and rows[0].verdict != "unreliable" and not rows[0].passed:
-        rows.append(_run_again(backend, size, 1, tmp_path, floor))
+        rows.append(_run_again(backend, size, 1, tmp_path, gate))
     _gate(rows, benchmark)
 
 
@@ -109,7 +112,7 @@ def test_sync_scaling(
         size,
         receivers,
         tmp_path,
-        floor_for(backend.name, size, floors_of(pytestconfig), ceiling_kind(backend)),
+        gate_for(backend, floors_of(pytestconfig)),
         3,
     )
     _gate([row], benchmark)
