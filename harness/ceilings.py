@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from harness import warm
 from harness.api import CEILING_KINDS, Backend
 from harness.manifest import DEFAULT_BUCKET_BYTES, bucket_plan
 
@@ -88,14 +89,17 @@ class _ReceiverProcs:
     repeat and answers "done"; "stop" ends it."""
 
     def __init__(self, target, args_per_receiver: list[tuple], timeout_s: float = 120.0):
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
+        ctx = warm.context()  # forks of the ranks' warm server: no torch import per receiver
         self.timeout_s = timeout_s
         self.conns, self.procs = [], []
         for k, args in enumerate(args_per_receiver):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(child, *args), name=f"ceiling-rx{k}", daemon=True)
+            proc = ctx.Process(
+                target=warm.inherit,
+                args=(warm.here(), target, child, *args),
+                name=f"ceiling-rx{k}",
+                daemon=True,
+            )
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -9,16 +9,21 @@ overruns ends the work as a failure that names the phase, the rank calls in flig
     watch = PhaseWatch(timeout_s=4.0, on_overrun=lambda: kill(ranks))
     overrun = watch.run(body)          # body(watch) calls watch.phase("push") as it goes
     overrun.describe()                 # "phase 'push' overran its 18 s budget ...", or None
+
+A phase that restarts a rank (push recovers a rank that died) does not pay the restart from its own
+budget: the phase's clock stops while the restart runs (`paused`), and the restart is bounded by a
+budget of its own, which the deployment derives from how long its ranks took to start (measured).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 #: What a phase may cost beyond the sync's own timeout: spawning rank processes (importing torch in
 #: each), moving a cell's payload on a loaded 2-core runner.
@@ -58,20 +63,36 @@ class Overrun:
     calls: str  # the rank calls in flight ('' if none)
     stacks: str  # the watched thread's stack when the budget ran out
     cleanup_done: bool = True
+    during: str = ""  # what paused the phase's clock and overran its own budget ('' : the phase itself)
 
     def describe(self) -> str:
         calls = self.calls or "no rank call in flight"
         tail = "" if self.cleanup_done else "; its cleanup did not end either (abandoned)"
-        return (
-            f"phase {self.phase!r} overran its {self.budget_s:g} s budget (stopped at {self.elapsed_s:.1f} s); "
-            f"{calls}{tail}"
-        )
+        what = f"phase {self.phase!r}" + (f": {self.during}" if self.during else "") + " overran"
+        return f"{what} its {self.budget_s:g} s budget (stopped at {self.elapsed_s:.1f} s); {calls}{tail}"
 
 
 def phase_budget(phase: str, timeout_s: float) -> float:
     """Twice the timeout plus the phase's own cost: spawning ranks where the phase may (re)start them."""
     spawn = SETUP_S if phase in ("deploy", "recovery") else 0.0
     return 2 * timeout_s + PHASE_SLACK_S + spawn
+
+
+#: The watch whose work runs in this thread (set by PhaseWatch.run in its worker), for `paused`.
+_running = threading.local()
+
+
+@contextlib.contextmanager
+def paused(what: str, budget_s: float) -> Iterator[bool]:
+    """`what` (e.g. "restarting rank 2") runs inside the watched phase of this thread, if there is one:
+    the phase's clock stops for it and it gets `budget_s` of its own (an overrun names the phase and
+    `what`). Yields whether a watch bounds it (False: no watched phase in this thread, nothing changes)."""
+    watch: PhaseWatch | None = getattr(_running, "watch", None)
+    if watch is None:
+        yield False
+        return
+    with watch.pause(what, budget_s):
+        yield True
 
 
 class PhaseWatch:
@@ -83,6 +104,7 @@ class PhaseWatch:
         self.on_overrun = on_overrun
         self._cond = threading.Condition()
         self._phase: tuple[str, float, float] = ("start", time.monotonic(), phase_budget("start", timeout_s))
+        self._pause: tuple[str, float, float] | None = None  # (what, since, its own budget) while paused
         self._done = False
         self.overrun: Overrun | None = None
         self.error: BaseException | None = None
@@ -95,11 +117,29 @@ class PhaseWatch:
             self._phase = (name, time.monotonic(), phase_budget(name, self.timeout_s))
             self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def pause(self, what: str, budget_s: float) -> Iterator[None]:
+        """The phase's clock stops while the block runs; the block gets `budget_s` of its own (the
+        phase's deadline moves by the time the block took). One pause at a time (the watched thread's)."""
+        with self._cond:
+            self._pause = (what, time.monotonic(), budget_s)
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                _, since, _ = self._pause
+                name, start, budget = self._phase
+                self._phase = (name, start + (time.monotonic() - since), budget)
+                self._pause = None
+                self._cond.notify_all()
+
     def run(self, body: Callable[[PhaseWatch], None]) -> Overrun | None:
         """Run the work to its end or until a phase overruns (then `on_overrun`, and the work's
         cleanup gets CLEANUP_GRACE_S). The work's own exception is kept in `self.error`."""
 
         def target() -> None:
+            _running.watch = self
             try:
                 body(self)
             except Overran:
@@ -107,6 +147,7 @@ class PhaseWatch:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 self.error = exc
             finally:
+                _running.watch = None
                 with self._cond:
                     self._done = True
                     self._cond.notify_all()
@@ -116,6 +157,9 @@ class PhaseWatch:
         with self._cond:
             while not self._done:
                 name, since, budget = self._phase
+                during = ""
+                if self._pause is not None:  # the phase's clock stands; the pause's own runs
+                    during, since, budget = self._pause
                 left = since + budget - time.monotonic()
                 if left <= 0:
                     break
@@ -123,7 +167,7 @@ class PhaseWatch:
             if self._done:
                 return self.overrun
             self.overrun = Overrun(
-                name, budget, time.monotonic() - since, _calls_in_flight(), _stack_of(worker)
+                name, budget, time.monotonic() - since, _calls_in_flight(), _stack_of(worker), during=during
             )
         if self.on_overrun is not None:
             self.on_overrun()

@@ -15,7 +15,6 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import faulthandler
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from harness import error_codec, phases, wire
+from harness import deadline, error_codec, phases, warm, wire
 from harness.api import (
     DEFAULT_TIMEOUT_S,
     JSON,
@@ -64,6 +63,16 @@ START_TIMEOUT = 600.0  # spawning a rank builds its engine (a real vLLM takes mi
 #: plane's own timeout fires first with its specific error; the kill is the backstop (a blocked read).
 RPC_SLACK = 1.5
 POLL_INTERVAL = 0.05  # how often a waiting parent checks that the rank is still alive
+#: A rank restarted inside a watched phase gets this multiple of the slowest start measured at deploy,
+#: which started every rank side by side (a lone restart competes with fewer): room for a host whose
+#: load grew since the deploy, still a bound that catches a restart that hangs. Never less than
+#: RESTART_FLOOR_S: under that the host's scheduler decides, not the restart (measured on 2 cores: a warm
+#: start 0.03 s quiet, 0.1-0.25 s beside 4 busy loops; a process may wait that long for a core).
+RESTART_FACTOR = 4.0
+RESTART_FLOOR_S = 1.0
+#: What killing a rank that gave no reply costs the supervisor beyond the call's timeout (the stack
+#: dump's wait, the join): the watch's bound on a restart leaves the supervisor's kill this much room.
+KILL_S = 0.25 + 5.0
 
 
 # ============================================================================ rank side
@@ -333,11 +342,20 @@ class RankProcess:
         self.rank = rank
         self.timeout = timeout
         self.log_path = log_dir / f"rank{rank}.log"
-        ctx = mp.get_context("spawn")
+        ctx = warm.context()  # a fork of a server that has imported torch: no import in the rank's start
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=rank_main,
-            args=(child, rank, receiver_path, engine, wire.spec_to_json(spec), str(self.log_path)),
+            target=warm.inherit,
+            args=(
+                warm.here(),
+                rank_main,
+                child,
+                rank,
+                receiver_path,
+                engine,
+                wire.spec_to_json(spec),
+                str(self.log_path),
+            ),
             name=f"weightsync-rank{rank}",
             daemon=True,
         )
@@ -430,11 +448,10 @@ class RankProcess:
                 stopped = process_state(self.pid) == "T"  # SIGSTOPped: it cannot dump its stacks
                 if not stopped:
                     os.kill(self.process.pid, signal.SIGUSR1)  # faulthandler dumps every thread's stack
-                    self.process.join(
-                        0.25
-                    )  # the dump takes milliseconds; the kill must stay inside the bound
+                    # the dump takes milliseconds; the kill must stay inside the bound
+                    self.process.join(0.25)
                 self.process.kill()
-                self.process.join(5.0)
+                self.process.join(KILL_S - 0.25)
                 why = "it was stopped (SIGSTOP)" if stopped else f"stacks in {self.log_path}"
                 self._broken = f"no reply to {op} within {timeout:g}s (killed; {why})"
                 raise RankFailure(
@@ -635,10 +652,13 @@ class RankDeployment(Deployment):
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.ranks: list[RankProcess] = []
         self.handles = []
+        #: seconds each rank took to start at deploy (warm server booted before): a restart's budget
+        self.start_s: dict[int, float] = {}
         try:
-            # ranks start side by side: each spends its first seconds importing torch
+            self._prepare_spawn()
+            # ranks start side by side: each builds its engine
             with cf.ThreadPoolExecutor(max_workers=max(n_receivers, 1), thread_name_prefix="spawn") as pool:
-                futures = [pool.submit(self._spawn_rank, i + 1) for i in range(n_receivers)]
+                futures = [pool.submit(self._timed_spawn, i + 1) for i in range(n_receivers)]
             for f in futures:  # keep what started, so close() stops it, then raise the first failure
                 if f.exception() is None:
                     self.ranks.append(f.result())
@@ -651,11 +671,48 @@ class RankDeployment(Deployment):
             self.close()
             raise
 
-    def _spawn_rank(self, rank: int) -> RankProcess:
+    def _prepare_spawn(self) -> None:
+        """Before the first rank starts: boot the warm fork server (once per process), so the ranks'
+        measured starts are their own."""
+        warm.context()
+
+    def _spawn_rank(self, rank: int, start_timeout: float = START_TIMEOUT) -> RankProcess:
         """Start receiver rank `rank` (first start and restarts); a subclass may place it elsewhere."""
         return RankProcess(
-            rank, self._receiver_path, self._engine, self._spec, self._log_dir, self.timeout_s * RPC_SLACK
+            rank,
+            self._receiver_path,
+            self._engine,
+            self._spec,
+            self._log_dir,
+            self.timeout_s * RPC_SLACK,
+            start_timeout,
         )
+
+    def _timed_spawn(self, rank: int) -> RankProcess:
+        t0 = time.monotonic()
+        r = self._spawn_rank(rank)
+        self.start_s[rank] = time.monotonic() - t0
+        return r
+
+    def restart_budget_s(self) -> float:
+        """How long restarting one rank may take: RESTART_FACTOR x the slowest start measured at deploy
+        (at least RESTART_FLOOR_S; START_TIMEOUT where nothing was measured)."""
+        if not self.start_s:
+            return START_TIMEOUT
+        return max(RESTART_FACTOR * max(self.start_s.values()), RESTART_FLOOR_S)
+
+    def _restart_rank(self, rank: int) -> RankProcess:
+        """Start rank `rank` again. Inside a watched phase the phase's clock stops meanwhile and the
+        restart has a budget of its own, from this deployment's measured starts (not the phase's)."""
+        budget = self.restart_budget_s()
+        slowest = max(self.start_s.values(), default=0.0)
+        what = f"restarting rank {rank} (its ranks started in {slowest:.2f} s at deploy)"
+        # the supervisor's own kill fires first, with its specific error; the watch is the backstop
+        with deadline.paused(what, budget + KILL_S + POLL_INTERVAL) as watched:
+            try:
+                return self._spawn_rank(rank, budget if watched else START_TIMEOUT)
+            except RankFailure as exc:
+                raise RankFailure(f"{what}: {exc}") from None
 
     def _handle_for(self, rank: RankProcess) -> EngineHandle:
         """How the trainer talks to a rank's receiver and engine (here: over its pipe)."""
@@ -698,7 +755,7 @@ class RankDeployment(Deployment):
         for i, r in enumerate(self.ranks):
             if not r.healthy:
                 r.stop(timeout=2.0)
-                fresh = self._spawn_rank(r.rank)
+                fresh = self._restart_rank(r.rank)
                 self.ranks[i] = fresh
                 handle = self._handle_for(fresh)
                 self.handles[i].receiver, self.handles[i].engine = handle.receiver, handle.engine

@@ -207,7 +207,10 @@ class ContainerRankDeployment(RankDeployment):
         self.container_options = dict(container_options or {})
         super().__init__(*args, **kwargs)
 
-    def _spawn_rank(self, rank: int) -> RankProcess:
+    def _prepare_spawn(self) -> None:
+        """Nothing to boot: a container rank starts from its image, not from the warm fork server."""
+
+    def _spawn_rank(self, rank: int, start_timeout: float = START_TIMEOUT) -> RankProcess:
         return ContainerRankProcess(
             self.host,
             rank,
@@ -217,6 +220,7 @@ class ContainerRankDeployment(RankDeployment):
             self._log_dir,
             self.timeout_s * RPC_SLACK,
             self.container_options,
+            start_timeout,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import safetensors.torch
 import torch
@@ -17,6 +18,7 @@ from harness.backends.disk import DiskBackend
 from harness.backends.ipc import IpcBackend
 from harness.engines import tiny_lm
 from harness.engines.reference import ReferenceEngine
+from harness.engines.reference import make_engine as make_reference_engine
 from harness.engines.tiny_lm import ModelConfig
 from harness.paths import delta_codec
 from harness.paths import disk as disk_path
@@ -246,6 +248,19 @@ class IgnoredTimeoutBackend(DiskBackend):
         for r in dep.ranks:
             r.timeout = 10.0  # the defect under test: the declared timeout_s stays what it was
         return dep
+
+
+#: A file whose existence makes every rank started from then on hang in its start (make_hanging_start_engine).
+HANG_START_ENV = "WEIGHTSYNC_META_HANG_START"
+
+
+def make_hanging_start_engine(spec=None, device=None):
+    """The reference engine, except that a rank started while the file named by $WEIGHTSYNC_META_HANG_START
+    exists never finishes building it: a restart that hangs (a stuck driver, a lock a dead peer held)."""
+    trigger = os.environ.get(HANG_START_ENV)
+    if trigger and os.path.exists(trigger):
+        time.sleep(3600)
+    return make_reference_engine(spec, device)
 
 
 def make_partial_commit_backend():

@@ -1,0 +1,83 @@
+"""Warm processes: children forked from a server that has already imported torch and the harness, so a
+rank's (re)start costs the rank's own work (building its engine), not the seconds of importing torch
+again (10 s on a loaded 2-core host: a restart inside a push spent its whole budget there).
+
+    ctx = warm.context()                                   # multiprocessing's forkserver, booted
+    p = ctx.Process(target=warm.inherit, args=(warm.here(), rank_main, *args)); p.start()
+
+The fork server starts once per process, with the environment of that moment; a child takes its
+parent's environment and working directory as they are when it is started (`here()`, applied by
+`inherit` before the target runs), as a spawned child would. The server only imports: no CUDA (a child
+may use the GPU: it is a fork of a process that never touched CUDA) and no Python thread (numpy's
+OpenBLAS pool has a worker thread, which OpenBLAS rebuilds after a fork itself).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: What the server imports before its first fork: torch, and the harness modules a rank process imports
+#: (its loop, the reference and fault engines, every built-in path's receiver).
+PRELOAD = (
+    "torch",
+    "safetensors.torch",
+    "harness.launch",
+    "harness.engines.reference",
+    "harness.faults.engines",
+    "harness.paths.disk",
+    "harness.paths.ipc",
+    "harness.paths.broadcast",
+    "harness.paths.delta",
+)
+
+_lock = threading.Lock()
+_booted: mp.context.BaseContext | None = None
+#: Seconds the fork server took to boot (import PRELOAD) in this process; None until it has.
+boot_s: float | None = None
+
+
+def context() -> mp.context.BaseContext:
+    """The forkserver context, its server booted (PRELOAD imported) before this returns: the first call
+    pays the imports, once per process; a process it starts after that is a fork of the warm server."""
+    global _booted, boot_s
+    with _lock:
+        if _booted is None:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(list(PRELOAD))
+            t0 = time.monotonic()
+            probe = ctx.Process(target=_noop, name="weightsync-warm-probe", daemon=True)
+            probe.start()  # answered once the server has imported PRELOAD
+            probe.join()
+            boot_s = time.monotonic() - t0
+            _booted = ctx
+        return _booted
+
+
+def _noop() -> None:
+    pass
+
+
+def here() -> tuple[dict[str, str], str]:
+    """This process's environment and working directory, for a child to take (`inherit`)."""
+    return dict(os.environ), os.getcwd()
+
+
+def inherit(parent: tuple[dict[str, str], str], target: Callable[..., Any], *args: Any) -> Any:
+    """A warm child's entry: take the parent's environment and working directory (`here()` at its start),
+    then run `target(*args)`."""
+    env, cwd = parent
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        os.chdir(cwd)
+    except OSError:  # removed since: the server's own is as good as any
+        pass
+    from harness import phases  # the one preloaded module that reads the environment at import
+
+    phases.set_enabled(os.environ.get(phases.ENV) == "1")
+    return target(*args)

@@ -1,0 +1,153 @@
+"""Verdicts that hold on a busy host (issue 37, item 4). On 16 cores running 13 suites at once the
+reference failed `disk-receiver-stall-in-start`: the rank restarted inside the push spent 11.8 s starting
+(importing torch again) and the push's budget (2 x 4 s + 10 s) had no room for it. Now a rank starts
+warm (a fork of a server that has imported torch: tens of milliseconds) and a restart inside a watched
+phase stops the phase's clock, bounded by a budget of its own measured from the deployment's starts.
+
+Here the host is made busy on purpose (2 x nproc busy loops, only those this test started are ended):
+the reference still passes the cells that restart a rank inside the push, a supervisor that never
+restarts still fails its cell, and a restart that hangs is still caught, by its own budget.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import deadline
+from harness.api import RankFailure
+from harness.deadline import PhaseWatch
+from harness.deployment import push
+from harness.faults import engines as fault_engines
+from harness.faults.cell import run_cell, seeded_weights, with_timeout
+from harness.faults.injectors import COMMIT_FAIL_DIR_ENV
+from harness.launch import KILL_S, RESTART_FACTOR, RESTART_FLOOR_S
+from harness.registry import resolve_backend
+from suites.meta.broken import HANG_START_ENV, NoRestartBackend
+
+pytestmark = [pytest.mark.meta, pytest.mark.multiproc]
+
+HOGS_PER_CORE = 2
+
+
+@pytest.fixture
+def busy_host():
+    """2 x nproc busy loops for the test's duration; ends the processes it started, and only those."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(HOGS_PER_CORE * (os.cpu_count() or 1))
+    ]
+    try:
+        yield len(hogs)
+    finally:
+        for h in hogs:
+            h.kill()
+        for h in hogs:
+            h.wait()
+
+
+@pytest.fixture
+def cell_environment(monkeypatch):
+    """A cell sets its ranks' environment in this process (harness.faults.cell): put it back after."""
+    monkeypatch.delenv(COMMIT_FAIL_DIR_ENV, raising=False)
+    monkeypatch.delenv(fault_engines.INNER_ENGINE_ENV, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("backend", "kind", "point"),
+    [
+        ("disk", "receiver-stall", "in-start"),  # the issue's cell: stalled 6 s, restarted inside the push
+        ("ipc", "receiver-stall", "in-start"),
+        ("disk", "receiver-kill", "before-transfer"),
+        ("ipc", "receiver-kill", "before-transfer"),
+    ],
+)
+def test_reference_passes_the_cells_that_restart_a_rank_on_a_busy_host(
+    busy_host, cell_environment, tmp_path, backend, kind, point
+):
+    result = run_cell(resolve_backend(backend), backend, kind, seed=7, workdir=tmp_path, point=point)
+    assert result.verdict == "ok", (
+        f"{backend} x {kind} {point} beside {busy_host} busy loops: {result.verdict} {result.reasons}\n"
+        f"{result.stacks[-2000:]}"
+    )
+
+
+def test_a_supervisor_that_never_restarts_still_fails_on_a_busy_host(busy_host, cell_environment, tmp_path):
+    result = run_cell(
+        NoRestartBackend(),
+        "broken-no-restart",
+        "receiver-kill",
+        seed=7,
+        workdir=tmp_path,
+        point="before-transfer",
+    )
+    assert result.verdict == "fail", result.reasons
+    assert any("no recovery" in r for r in result.reasons), result.reasons
+
+
+def test_a_restart_that_hangs_is_killed_within_its_own_budget(busy_host, tmp_path, monkeypatch):
+    """The restart's budget is RESTART_FACTOR x the slowest start measured at deploy (at least the floor);
+    a rank that never finishes starting is killed when it runs out, with an error that names the restart,
+    before the phase's watch (its backstop, KILL_S later) has to step in."""
+    trigger = tmp_path / "hang-from-now-on"
+    monkeypatch.setenv(HANG_START_ENV, str(trigger))
+    timeout_s = 2.0
+    dep = with_timeout(resolve_backend("disk"), timeout_s).deploy(
+        2, None, str(tmp_path / "work"), engine="suites.meta.broken:make_hanging_start_engine"
+    )
+    try:
+        assert sorted(dep.start_s) == [1, 2]
+        budget = dep.restart_budget_s()
+        assert budget == max(RESTART_FACTOR * max(dep.start_s.values()), RESTART_FLOOR_S)
+        weights = seeded_weights(dep.handles[0].engine.weight_spec(), 1)
+        seen: dict[str, object] = {}
+
+        def body(watch: PhaseWatch) -> None:
+            watch.phase("push")
+            trigger.touch()
+            victim = dep.ranks[1]
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.process.join(10)
+            t0 = time.monotonic()
+            try:
+                push(dep, 1, weights)
+            except RankFailure as exc:
+                seen["error"] = exc
+            seen["elapsed"] = time.monotonic() - t0
+
+        overrun = PhaseWatch(timeout_s).run(body)
+        assert overrun is None, overrun.describe()
+        error = str(seen.get("error"))
+        assert "restarting rank 2" in error and "no reply to start within" in error, error
+        assert seen["elapsed"] < budget + KILL_S, f"{seen['elapsed']:.1f} s for a {budget:g} s restart budget"
+    finally:
+        trigger.unlink(missing_ok=True)
+        dep.close()
+
+
+def test_a_restart_stops_the_phase_clock_and_has_a_budget_of_its_own(monkeypatch):
+    monkeypatch.setattr(deadline, "PHASE_SLACK_S", 0.0)  # a phase budget of 2 x 0.25 s
+
+    def restarts_for(seconds: float, budget_s: float):
+        def body(watch: PhaseWatch) -> None:
+            watch.phase("push")
+            with deadline.paused("restarting rank 2", budget_s) as watched:
+                assert watched
+                time.sleep(seconds)
+            time.sleep(0.1)  # the phase's own work, inside its 0.5 s
+
+        return PhaseWatch(0.25).run(body)
+
+    assert restarts_for(1.0, budget_s=5.0) is None  # 1.1 s in all: the restart's second is not the phase's
+    overrun = restarts_for(2.0, budget_s=0.5)
+    assert overrun is not None
+    assert overrun.describe().startswith("phase 'push': restarting rank 2 overran its 0.5 s budget"), (
+        overrun.describe()
+    )
+    with deadline.paused("restarting rank 2", 0.1) as watched:  # no watched phase in this thread
+        assert not watched
