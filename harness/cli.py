@@ -56,11 +56,22 @@ def _suite_dir(name: str) -> Path:
     return Path(suites.__file__).parent / name
 
 
+#: certify's throughput rows: payload sizes (MiB) and repeats, and --quick's fewer
+FULL_REPEATS = 3
+QUICK_SIZES_MIB, QUICK_REPEATS = [64], 1
+
 #: The torchrun launch: it tests the launcher with BroadcastBackend, whatever is selected.
 BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
 #: Tests that bring their own ranks over gloo and use no selected backend (the resharded sync): run once,
 #: in the broadcast column, like the launcher tests.
 SELF_CONTAINED_TESTS = ("test_reshard.py",)
+
+
+def default_jobs() -> int:
+    """certify's --jobs auto: pytest-xdist workers where there are cores for them, min(cores // 2, 8) from
+    4 cores up (each worker's tests spawn rank processes of their own); 1 (serial, no xdist) below that."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores // 2, 8) if cores >= 4 else 1
 
 
 def run_conformance(
@@ -71,10 +82,62 @@ def run_conformance(
     receivers: str,
     suite: str = "conformance",
     xfails_file: str | None = None,
+    jobs: int = 1,
+    quick: bool = False,
 ) -> dict:
     """Run a suite (conformance, or the fault matrix) against one backend in a fresh interpreter;
-    returns its results JSON. `xfails_file`: the backend's known failures (--weightsync-xfails-file)."""
-    results = out / f"{suite}-{_slug(backend)}.json"
+    returns its results JSON. `xfails_file`: the backend's known failures (--weightsync-xfails-file).
+    `jobs` > 1: the tests that time nothing run on that many xdist workers, then those marked `serial`
+    (a deadline or a throughput against a bound) alone, in a second interpreter; one results JSON of both.
+    `quick`: --weightsync-quick (the tests marked not_quick are left out, and named in `quick_skipped`)."""
+    marks = (
+        ["not docker and not slow"] if suite == "faults" else []
+    )  # the Docker tier and the soak run on their own
+    parts = [("", marks, 0)]
+    if jobs > 1:
+        parts = [("-parallel", [*marks, "not serial"], jobs), ("-serial", [*marks, "serial"], 0)]
+    done = []
+    for tag, part_marks, workers in parts:
+        data = _run_suite_part(
+            backend, engine, out, profile, receivers, suite, xfails_file, quick, tag, part_marks, workers
+        )
+        done.append(data)
+        if data.get("error"):  # stopped or crashed: what ran is the evidence; the rest did not run
+            break
+    if jobs <= 1:
+        done[0]["jobs"] = 1
+        return done[0]
+    data = merged_parts(done)
+    data["jobs"] = jobs
+    if not data.get("error"):  # what --resume reuses: both parts, finished
+        (out / f"{suite}-{_slug(backend)}.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+    return data
+
+
+def merged_parts(parts: list[dict]) -> dict:
+    """The results of a suite run in parts (parallel, then serial) as one: every test, complete only if
+    every part was, the worst exit status (5, no tests, only where no part ran any), the first error."""
+    data = dict(parts[0])
+    data["tests"] = {k: v for part in parts for k, v in part.get("tests", {}).items()}
+    data["complete"] = all(part.get("complete", True) for part in parts)
+    statuses = [part.get("exitstatus", 0) for part in parts]
+    worst = [s for s in statuses if s not in (0, 1, 5)]
+    data["exitstatus"] = worst[0] if worst else 1 if 1 in statuses else 5 if set(statuses) == {5} else 0
+    for key in ("error", "running", "in_flight"):
+        found = [part[key] for part in parts if part.get(key)]
+        data.pop(key, None)
+        if found:
+            data[key] = found[0]
+    if any("quick_skipped" in part for part in parts):
+        data["quick_skipped"] = sorted({n for part in parts for n in part.get("quick_skipped", [])})
+    return data
+
+
+def _run_suite_part(
+    backend, engine, out, profile, receivers, suite, xfails_file, quick, tag, marks, workers
+) -> dict:
+    """One pytest interpreter of a suite run (`workers` > 0: under xdist, -n workers); its results JSON."""
+    results = out / f"{suite}-{_slug(backend)}{tag}.json"
     cmd = [
         sys.executable,
         "-m",
@@ -88,23 +151,31 @@ def run_conformance(
         f"--weightsync-receivers={receivers}",
         f"--weightsync-results={results}",
         f"--weightsync-hypothesis-profile={profile}",
-        f"--junitxml={out / f'junit-{suite}-{_slug(backend)}.xml'}",
+        f"--junitxml={out / f'junit-{suite}-{_slug(backend)}{tag}.xml'}",
     ]
+    if workers:
+        cmd += ["-n", str(workers)]
+    if quick:
+        cmd.append("--weightsync-quick")
     if xfails_file:
         cmd.append(f"--weightsync-xfails-file={Path(xfails_file).resolve()}")
     if run_device() != "cpu":  # the rerun commands name it too
         cmd.append(f"--weightsync-device={run_device()}")
-    if suite == "faults":
-        cmd += ["-m", "not docker and not slow"]  # the Docker tier and the soak run on their own
+    if marks:
+        cmd += ["-m", " and ".join(f"({m})" for m in marks)]
     if (
         suite == "conformance" and backend != "broadcast"
     ):  # these drive BroadcastBackend itself, whatever is selected: run them once
         for test in BROADCAST_LAUNCHER_TESTS + SELF_CONTAINED_TESTS:
             cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
     env = dict(os.environ)
-    log = out / f"pytest-{suite}-{_slug(backend)}.log"
+    log = out / f"pytest-{suite}-{_slug(backend)}{tag}.log"
+    what = f"{suite}{tag}"
     with (
-        console.status(f"[bold]{suite}[/] {backend}: running {shlex.join(cmd[3:5])} ..."),
+        console.status(
+            f"[bold]{what}[/] {backend}: running {shlex.join(cmd[3:5])}"
+            f"{f' on {workers} xdist workers' if workers else ''} ..."
+        ),
         open(log, "w") as f,
     ):
         t0 = time.monotonic()
@@ -132,8 +203,9 @@ def run_conformance(
         fail_the_stopped_test(data, proc.returncode, log)
     statuses = [r.get("status") for r in data["tests"].values()]
     console.print(
-        f"{suite} {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
-        f"{statuses.count('not_supported')} NOT_SUPPORTED in {time.monotonic() - t0:.0f}s (log: {log})"
+        f"{what} {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
+        f"{statuses.count('not_supported')} NOT_SUPPORTED in {time.monotonic() - t0:.0f}s"
+        f"{f' ({workers} xdist workers)' if workers else ''} (log: {log})"
     )
     return data
 
@@ -144,14 +216,14 @@ def fail_the_stopped_test(data: dict, returncode: int, log: Path) -> None:
     a segfault) gets its record here. A run stopped outside any test names none: it stays undecided."""
     from harness.procs import describe_exit
 
-    nodeid = data.get("running")
-    if not nodeid:
+    if not data.get("running"):
         return
-    rec = data.setdefault("tests", {}).setdefault(nodeid, {})
-    if rec.get("status") != "failed":
-        where = "in its teardown" if rec.get("status") else "during it, with no result of its own"
-        rec["status"] = "failed"
-        rec["message"] = f"pytest stopped ({describe_exit(returncode)}) {where}; see {log}"
+    for nodeid in data.get("in_flight") or [data["running"]]:  # several under xdist (certify --jobs)
+        rec = data.setdefault("tests", {}).setdefault(nodeid, {})
+        if rec.get("status") != "failed":
+            where = "in its teardown" if rec.get("status") else "during it, with no result of its own"
+            rec["status"] = "failed"
+            rec["message"] = f"pytest stopped ({describe_exit(returncode)}) {where}; see {log}"
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
@@ -193,7 +265,6 @@ def certify(args: argparse.Namespace) -> int:
     # Every name is resolved before anything runs: a typo is a usage error in seconds, with no report folder.
     try:
         floors = parse_floors(args.floor)
-        args.sizes_mib = args.sizes_mib or default_sizes_mib(run_device())
         backends = {name: resolve_backend(name) for name in args.backend}
         engine_caps = engine_capabilities(args.engine)  # the engine factory resolves and imports
         bench_engine, bench_note = throughput_engine(args.engine)
@@ -209,12 +280,14 @@ def certify(args: argparse.Namespace) -> int:
         return 2
     results, faults, rows, missing = {}, {}, [], []
     for name, backend in backends.items():
+        suite_args = (name, args.engine, out, args.profile, args.receivers)
+        each = {"jobs": args.jobs, "quick": args.quick}
         results[name] = finished_suite(out, "conformance", name) or run_conformance(
-            name, args.engine, out, args.profile, args.receivers, xfails_file=args.xfails_file
+            *suite_args, xfails_file=args.xfails_file, **each
         )
         if not args.no_faults:
             faults[name] = finished_suite(out, "faults", name) or run_conformance(
-                name, args.engine, out, args.profile, args.receivers, "faults", args.xfails_file
+                *suite_args, "faults", args.xfails_file, **each
             )
         if not args.no_bench and (done := finished_rows(out, name)) is not None:
             rows += done
@@ -246,7 +319,14 @@ def certify(args: argparse.Namespace) -> int:
     if not args.no_faults and args.default_selection:  # the control plane: a column of the fault matrix only
         for name in EXTRA_BACKENDS:
             faults[name] = finished_suite(out, "faults", name) or run_conformance(
-                name, args.engine, out, args.profile, args.receivers, suite="faults"
+                name,
+                args.engine,
+                out,
+                args.profile,
+                args.receivers,
+                suite="faults",
+                jobs=args.jobs,
+                quick=args.quick,
             )
     report = write_report(
         out,
@@ -261,6 +341,14 @@ def certify(args: argparse.Namespace) -> int:
         throughput_engine=bench_engine_name,
         throughput_note=bench_note if rows else "" if args.no_bench else "throughput was not measured",
         missing=missing,
+        jobs=args.jobs,
+        quick={
+            "full_command": full_run_command(args.argv),
+            "sizes_mib": None if args.no_bench else args.sizes_mib,
+            "repeats": None if args.no_bench else args.repeats,
+        }
+        if args.quick
+        else None,
     )
     if rows:
         console.print(throughput_table(rows, bench_note))
@@ -276,14 +364,39 @@ def certify(args: argparse.Namespace) -> int:
         for rerun in data["reruns"]:
             console.print(f"  {rerun['command']}", highlight=False, markup=False, soft_wrap=True)
     colour = {"PASS": "green", "FAIL": "red"}.get(verdict, "yellow")
-    console.print(f"[bold {colour}]{verdict}[/] (exit {data['exit_status']}) bundle: {out}/", highlight=False)
+    if data["quick"]:
+        console.print(
+            f"--quick left out {data['quick']['total']} tests; the full run: {data['quick']['full_command']}",
+            highlight=False,
+            markup=False,
+        )
+    console.print(
+        f"[bold {colour}]{escape(data['verdict_label'])}[/] (exit {data['exit_status']}) bundle: {out}/",
+        highlight=False,
+    )
     print(report)
     return EXIT_STATUS[verdict]
 
 
+def full_run_command(argv: list[str]) -> str:
+    """The certify command of the full run a --quick one stands for: its arguments less --quick (and less
+    --resume, which reopens the quick run's own bundle)."""
+    keep, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif arg != "--quick" and not arg.startswith("--resume="):
+            keep.append(arg)
+    return "weightsync " + shlex.join(keep)
+
+
 #: What a resumed certify must share with the run that began the bundle: the same evidence, asked the same way.
 RESUME_KEYS = ("backend", "engine", "receivers", "profile", "sizes_mib", "repeats", "no_bench", "floor")
-RESUME_KEYS += ("no_faults", "xfails_file", "device")
+RESUME_KEYS += ("no_faults", "xfails_file", "device", "quick")
+#: A key a bundle of an earlier version did not write: the value its run had (there was no --quick then).
+RESUME_DEFAULTS = {"quick": False}
 
 
 def open_bundle(args: argparse.Namespace, command: str) -> tuple[Path, str]:
@@ -302,11 +415,12 @@ def open_bundle(args: argparse.Namespace, command: str) -> tuple[Path, str]:
         began = json.loads((out / "certify-args.json").read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"--resume {out}: not a certify bundle ({type(exc).__name__}: {exc})") from None
-    differ = [k for k in RESUME_KEYS if began["args"].get(k) != mine[k]]
+    theirs = {k: began["args"].get(k, RESUME_DEFAULTS.get(k)) for k in RESUME_KEYS}
+    differ = [k for k in RESUME_KEYS if theirs[k] != mine[k]]
     if differ:
         raise ValueError(
             f"--resume {out}: its run was asked differently, so its evidence is not this run's: "
-            + "; ".join(f"{k}: {began['args'].get(k)!r} there, {mine[k]!r} here" for k in differ)
+            + "; ".join(f"{k}: {theirs[k]!r} there, {mine[k]!r} here" for k in differ)
         )
     began["commands"].append(command)
     (out / "certify-args.json").write_text(json.dumps(began, indent=2))
@@ -479,7 +593,7 @@ DEVICE_HELP = (
 
 #: Throughput sizes when none are named: from where the fixed cost dominates to where the bytes do (a bare
 #: lifecycle row is added to them). A GPU moves 64 MiB in tens of microseconds: its sizes reach 4 GiB.
-CPU_SIZES_MIB = (1, 16, 64)
+CPU_SIZES_MIB = FULL_SIZES_MIB = (1, 16, 64)
 GPU_SIZES_MIB = (64, 1024, 4096)
 
 
@@ -562,11 +676,30 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         nargs="+",
         default=None,
-        help="throughput payload sizes, MiB (default: 1 16 64 on a CPU, 64 1024 4096 on a GPU, cut to its "
-        "memory); a bare lifecycle row (an empty payload) is added, and each path's time is fitted as "
-        "fixed + bytes / bandwidth over them",
+        help=f"throughput payload sizes, MiB (default: {' '.join(map(str, FULL_SIZES_MIB))} on a CPU, "
+        f"{' '.join(map(str, GPU_SIZES_MIB))} on a GPU cut to its memory; with --quick "
+        f"{' '.join(map(str, QUICK_SIZES_MIB))}); a bare-lifecycle row (an empty payload) is added, and each "
+        "path's time is fitted as fixed + bytes / bandwidth over them",
     )
-    c.add_argument("--repeats", type=int, default=3)
+    c.add_argument(
+        "--repeats", type=int, default=None, help=f"default {FULL_REPEATS}; with --quick {QUICK_REPEATS}"
+    )
+    c.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first look in about a minute and a half on 2 cores: each fault's first point at one seed, "
+        "the conformance tests under a second (those marked not_quick are left out), throughput at "
+        f"{' '.join(map(str, QUICK_SIZES_MIB))} MiB x {QUICK_REPEATS}; the report names what it left out "
+        "and the command of the full run, and its verdict reads PASS (quick)",
+    )
+    c.add_argument(
+        "-j",
+        "--jobs",
+        default="auto",
+        help="pytest-xdist workers per suite: auto (default: min(cores // 2, 8) from 4 cores up, else 1), "
+        "or N; 1 runs every test one at a time (no xdist). Tests marked serial (a deadline or a throughput "
+        "against a bound) run after the rest, alone",
+    )
     c.add_argument("--no-bench", action="store_true", help="skip the throughput table")
     c.add_argument(
         "--floor",
@@ -661,6 +794,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "certify":
         args.default_selection = not args.backend
         args.backend = args.backend or default_backends(device)
+        try:
+            args.jobs = default_jobs() if args.jobs == "auto" else int(args.jobs)
+            if args.jobs < 1:
+                raise ValueError
+        except ValueError:
+            console.print(
+                f"[red]usage error:[/] --jobs {args.jobs}: 'auto' or a whole number of workers, 1 or more"
+            )
+            return 2
+        args.sizes_mib = args.sizes_mib or (QUICK_SIZES_MIB if args.quick else default_sizes_mib(device))
+        args.repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
         return certify(args)
     return 2
 

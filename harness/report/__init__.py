@@ -37,13 +37,16 @@ from harness.report.evidence import (
     known_failures,
     matrix,
     pytest_rerun,
+    quick_skipped,
     reruns,
+    verdict_label,
 )
 from harness.report.html_page import render
 from harness.report.markdown_page import (
     breakdown_table,
     fault_section,
     known_failures_section,
+    quick_section,
     throughput_section,
     throughput_table,
     verdict_section,
@@ -67,6 +70,8 @@ __all__ = [
     "pytest_rerun",
     "bench_rerun",
     "reruns",
+    "quick_skipped",
+    "verdict_label",
     "invariant_of",
     "matrix",
     "cell",
@@ -77,6 +82,7 @@ __all__ = [
     "plot_throughput",
     "plot_breakdown",
     "known_failures_section",
+    "quick_section",
     "fault_section",
     "throughput_table",
     "throughput_section",

@@ -15,14 +15,18 @@ from harness.report.evidence import (
     cell,
     decide,
     environment,
+    jobs_text,
     matrix,
     pytest_rerun,
+    quick_skipped,
     reruns,
+    verdict_label,
 )
 from harness.report.html_page import render
 from harness.report.markdown_page import (
     fault_section,
     known_failures_section,
+    quick_section,
     reshard_section,
     throughput_section,
     verdict_section,
@@ -68,10 +72,14 @@ def write_report(
     throughput_engine: str | None = None,
     throughput_note: str = "",
     missing: list[str] | tuple[str, ...] = (),
+    jobs: int = 1,
+    quick: dict | None = None,
 ) -> Path:
     """Write the bundle into out_dir: results.json (docs/results-schema.md), junit.xml (the per-suite
     junit-*.xml merged), report.md (+ its PNG plots) and report.html (self-contained); returns report.md.
-    The verdict is decide()'s, over every piece of evidence; `missing` is evidence that could not be taken."""
+    The verdict is decide()'s, over every piece of evidence; `missing` is evidence that could not be taken.
+    `jobs`: the xdist workers each suite ran on (1: one test at a time). `quick`: a certify --quick run's
+    `full_command`, `sizes_mib` and `repeats` (what it left out is read from the suites' results)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     faults = faults or {}
@@ -106,20 +114,29 @@ def write_report(
         "throughput_gate": {"failed": gate_failures(rows)},
         "throughput_fits": [f.to_json() for f in fit_paths(rows)],
         "junit": junit,
+        "jobs": jobs,
+        "verdict_label": verdict_label(decision.verdict, bool(quick)),
+        "quick": None,
     }
+    if quick:
+        skipped = quick_skipped(results, faults)
+        total = sum(len(ids) for by in skipped.values() for ids in by.values())
+        data["quick"] = {**quick, "skipped": skipped, "total": total}
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
 
     backends = list(results)
     mat = matrix(results)
     md = [
-        f"# weightsync certification: {data['verdict']}",
+        f"# weightsync certification: {data['verdict_label']}",
         "",
         f"- command: `{command}`",
+        f"- {jobs_text(jobs)}",
         f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
         f"torch {env['torch']}, CUDA {'yes' if env['cuda'] else 'no'})",
         f"- exit status: {decision.exit_status} (0 PASS, 1 FAIL, 3 COULD NOT DECIDE)",
     ]
     md += verdict_section(data)
+    md += quick_section(data)
     md += [
         "",
         "## What was under test",

@@ -381,3 +381,35 @@ def reshard_bytes_rows(plan: dict) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def quick_skipped(results: dict, faults: dict | None = None) -> dict[str, dict[str, list[str]]]:
+    """What certify --quick left out, by suite and backend: {"conformance": {backend: [node id]}, "faults":
+    {...}} (the suites' quick_skipped: tests marked not_quick, fault cells past each fault's first point)."""
+    return {
+        suite: {b: list(res.get("quick_skipped", [])) for b, res in runs.items()}
+        for suite, runs in (("conformance", results), ("faults", faults or {}))
+    }
+
+
+def verdict_label(verdict: str, quick: bool) -> str:
+    """The verdict as the pages and the terminal print it: a --quick run's reads 'PASS (quick)' (its exit
+    status is the verdict's own: 0 for PASS)."""
+    return f"{verdict} (quick)" if quick else verdict
+
+
+def jobs_text(jobs: int) -> str:
+    """How the suites ran (certify --jobs), as the pages say it."""
+    if jobs <= 1:
+        return "suites run one test at a time (--jobs 1)"
+    return f"suites run on {jobs} pytest-xdist workers each (--jobs {jobs}); tests marked serial after them, alone"
+
+
+def quick_throughput(quick: dict) -> str:
+    """'; the throughput was measured at 64 MiB, 1 repeat(s)' (nothing when no throughput was measured)."""
+    if not quick.get("sizes_mib"):
+        return ""
+    return (
+        f"; the throughput was measured at {' '.join(map(str, quick['sizes_mib']))} MiB, "
+        f"{quick['repeats']} repeat(s)"
+    )

@@ -16,8 +16,10 @@ from harness.report.evidence import (
     damage_of,
     fault_cell_text,
     fault_matrix,
+    jobs_text,
     known_failures,
     matrix,
+    quick_throughput,
     reshard_bytes_rows,
     reshard_heading,
     reshard_plans,
@@ -74,19 +76,46 @@ def _image(path: Path, alt: str) -> str:
     return f'<p><img alt="{_e(alt)}" src="data:image/png;base64,{data}"></p>'
 
 
+def _quick_parts(quick: dict | None) -> list[str]:
+    """'Skipped by --quick': what a first look left out, by suite and backend, and the full run's command."""
+    if not quick:
+        return []
+    skipped = quick["skipped"]
+    backends = sorted({b for by in skipped.values() for b in by})
+    return [
+        "<h2>Skipped by --quick</h2>",
+        "<p>A first look: the conformance tests that take a second or more on a 2-core machine (marked "
+        "<code>not_quick</code>) and every fault cell past its fault's first point were left out"
+        f"{_e(quick_throughput(quick))}. {_e(quick['total'])} tests in all were not run (their node ids: "
+        "results.json, <code>quick.skipped</code>). The full run:</p>",
+        f"<pre>{_e(quick['full_command'])}</pre>",
+        _table(
+            ["backend", "conformance tests left out", "fault cells left out"],
+            [
+                [b, str(len(skipped["conformance"].get(b, []))), str(len(skipped["faults"].get(b, [])))]
+                for b in backends
+            ],
+            numeric_from=1,
+        ),
+    ]
+
+
 def render(data: dict, rows: list, out_dir: Path) -> str:
     """The page for results.json's `data` (with the SyncRows it came from; plots read from out_dir)."""
     results, faults, env = data["conformance"], data["faults"], data["environment"]
     verdict = data["verdict"]
+    label = data.get("verdict_label", verdict)
     vclass = _verdict_class(verdict)
+    jobs = data.get("jobs", 1)  # a bundle from before --jobs ran one test at a time
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>weightsync certification: {_e(verdict)}</title><style>{CSS}</style></head><body>",
+        f"<title>weightsync certification: {_e(label)}</title><style>{CSS}</style></head><body>",
         "<h1>weightsync certification</h1>",
-        f'<div class="verdict {vclass}">{_e(verdict)}</div>',
+        f'<div class="verdict {vclass}">{_e(label)}</div>',
         f"<p>exit status {data['exit_status']} (0 PASS, 1 FAIL, 3 COULD NOT DECIDE) · run "
         f"<code>{_e(data['run_id'])}</code> · generated {_e(data['generated_at'])}</p>",
         f"<p>command: <code>{_e(data['command'])}</code></p>",
+        f"<p>{_e(jobs_text(jobs))}</p>",
     ]
     reasons = data["reasons"]
     if reasons["failed"] or reasons["undecided"]:
@@ -102,6 +131,7 @@ def render(data: dict, rows: list, out_dir: Path) -> str:
         ]
         parts += ["</ul>"]
 
+    parts += _quick_parts(data.get("quick"))
     backends = list(results)
     parts.append("<h2>What was under test</h2>")
     parts.append(

@@ -13,6 +13,7 @@ from harness.report.evidence import (
     fault_cell_text,
     fault_matrix,
     known_failures,
+    quick_throughput,
     reshard_bytes_rows,
     reshard_heading,
     reshard_plans,
@@ -234,4 +235,34 @@ def reshard_section(results: dict[str, dict]) -> list[str]:
                 for a, b in plan.get("tied", {}).items()
             ),
         ]
+    return md
+
+
+def quick_section(data: dict) -> list[str]:
+    """'Skipped by --quick': what the first look left out, counted by suite and backend, and the command
+    of the full run."""
+    quick = data.get("quick")
+    if not quick:
+        return []
+    skipped = quick["skipped"]
+    backends = sorted({b for by in skipped.values() for b in by})
+    throughput = quick_throughput(quick)
+    md = [
+        "",
+        "## Skipped by --quick",
+        "",
+        "A first look: the conformance tests that take a second or more on a 2-core machine (marked "
+        f"`not_quick`) and every fault cell past its fault's first point were left out{throughput}. "
+        f"{quick['total']} tests in all were not run. Their node ids are in results.json "
+        "(`quick.skipped`). The full run:",
+        "",
+        f"    {quick['full_command']}",
+        "",
+        "| backend | conformance tests left out | fault cells left out |",
+        "| --- | --: | --: |",
+    ]
+    md += [
+        f"| {b} | {len(skipped['conformance'].get(b, []))} | {len(skipped['faults'].get(b, []))} |"
+        for b in backends
+    ]
     return md

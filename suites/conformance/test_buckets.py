@@ -34,6 +34,7 @@ def _flip_bits(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.T
     return out
 
 
+@pytest.mark.not_quick  # 2.1 s
 @pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)
 @settings(
     max_examples=max(1, settings().max_examples // 5),

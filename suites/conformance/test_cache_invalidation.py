@@ -64,6 +64,7 @@ def test_old_and_new_versions_produce_different_output(weightsync_deployment):
     assert before.token_ids != after.token_ids, "version 0 and 1 produce identical tokens; pick another seed"
 
 
+@pytest.mark.not_quick  # 2.7 s
 @pytest.mark.requires("pause_modes")
 @pytest.mark.parametrize("mode", ["wait", "keep"])
 def test_new_requests_after_an_update_under_traffic_compute_with_the_new_weights(

@@ -253,6 +253,7 @@ def make_machine(deployment, counter):
     return LifecycleMachine
 
 
+@pytest.mark.not_quick  # 19 s a run on 2 cores (the not_quick marker: pytest_plugin)
 def test_lifecycle_state_machine(weightsync_deployment, weightsync_example_counter):
     from hypothesis import settings
 

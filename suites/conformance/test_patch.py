@@ -54,6 +54,7 @@ def _mutate(t: torch.Tensor, fraction: float, data) -> torch.Tensor:
     return out
 
 
+@pytest.mark.not_quick  # 1.3 s
 @given(data=st.data(), fraction=st.sampled_from([0.0, 0.01, 0.1, 0.5, 0.9, 1.0]) | st.floats(0, 1))
 def test_patch_on_base_reproduces_the_next_version(
     weightsync_deployment,

@@ -152,6 +152,7 @@ def reshard_worlds():
 
 
 @pytest.mark.multiproc
+@pytest.mark.not_quick  # 9 s
 @pytest.mark.parametrize(("n", "m"), WORLDS, ids=[f"{n}x{m}" for n, m in WORLDS])
 @settings(max_examples=GLOO_EXAMPLES, deadline=None)
 @given(api=TRAINER_APIS, dtype=DTYPES, seed=st.integers(0, 2**16), data=st.data())
@@ -222,6 +223,8 @@ def test_sync_moves_the_plans_minimum_bytes_per_rank(reshard_worlds, request):
 KILLS = [("trainer", 1), ("engine", 0)]
 
 
+@pytest.mark.not_quick  # 13 s
+@pytest.mark.serial  # the hang must surface within 3x the group timeout
 @pytest.mark.multiproc
 @pytest.mark.faults
 @pytest.mark.parametrize(("side", "rank"), KILLS, ids=[f"{side}{rank}" for side, rank in KILLS])

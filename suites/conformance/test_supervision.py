@@ -37,6 +37,7 @@ def _deploy(backend, n, tmp_path, engine=None):
     return dep
 
 
+@pytest.mark.not_quick  # 4 s
 def test_rank_killed_between_syncs_is_restarted_by_the_next_push(
     weightsync_backend, weightsync_n_receivers, tmp_path
 ):
@@ -56,6 +57,8 @@ def test_rank_killed_between_syncs_is_restarted_by_the_next_push(
             )
 
 
+@pytest.mark.not_quick  # 8 s
+@pytest.mark.serial  # the hang must surface within 2x the timeout
 def test_hung_rank_is_killed_with_its_stacks_dumped(weightsync_backend, weightsync_n_receivers, tmp_path):
     with _deploy(
         weightsync_backend,

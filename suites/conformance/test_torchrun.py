@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.not_quick]  # 11 s a test on 2 cores
 
 
 @pytest.mark.parametrize("receivers", [2, 3])

@@ -98,7 +98,8 @@ def _chosen(config, points: tuple[str, ...]) -> tuple[str, ...]:
 
 def pytest_generate_tests(metafunc):
     """Every fault at every named point of it, deterministically (the seed then only picks bytes);
-    --weightsync-fault-seeds=N adds N cells per fault whose point the seed draws."""
+    --weightsync-fault-seeds=N adds N cells per fault whose point the seed draws. --weightsync-quick
+    keeps each fault's first point at its one seed (the rest are marked not_quick)."""
     config = metafunc.config
     if "fault_cell" in metafunc.fixturenames:
         fixed = config.getoption("--weightsync-fault-seed")
@@ -112,10 +113,22 @@ def pytest_generate_tests(metafunc):
                 if fixed is not None and n_seeds == 0:
                     n_seeds = 1  # a rerun by seed: that seed's own point too
                 cells += [(backend, kind, SEEDED, seed + i) for i in range(n_seeds)]
-        metafunc.parametrize("fault_cell", cells, ids=[f"{b}-{k}-{p}-s{s}" for b, k, p, s in cells])
+        firsts = {(b, k): p for b, k, p, _ in reversed(cells)}  # the first point of each fault
+        params = [
+            pytest.param(
+                c,
+                id="{}-{}-{}-s{}".format(*c),
+                marks=() if firsts[c[:2]] == c[2] and c[2] != SEEDED else pytest.mark.not_quick,
+            )
+            for c in cells
+        ]
+        metafunc.parametrize("fault_cell", params)
     if "drawn_cell" in metafunc.fixturenames:
         cells = [(b, k) for b in _backends(config) for k in _kinds(config, b)]
-        metafunc.parametrize("drawn_cell", cells, ids=[f"{b}-{k}" for b, k in cells])
+        quick = pytest.mark.not_quick if _thorough() else ()  # they skip themselves unless thorough
+        metafunc.parametrize(
+            "drawn_cell", [pytest.param(c, id="{}-{}".format(*c), marks=quick) for c in cells]
+        )
 
 
 def test_fault_cell(fault_cell, weightsync_selection, tmp_path, request):
