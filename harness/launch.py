@@ -1,4 +1,5 @@
-"""Receiver ranks as processes: spawn on one host, serve lifecycle and engine calls, supervise.
+"""Receiver ranks as processes: start on one host (forks of a warm server, harness.warm), serve
+lifecycle and engine calls, supervise.
 
 Each rank process holds one engine and one receiver. The parent talks to it through a pipe carrying
 JSON headers and safetensors frames (harness.wire), and supervises it: a rank that dies is reported
