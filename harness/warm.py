@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from harness.procs import pid_alive
+
 #: What the server imports before its first fork: torch, and the harness modules a rank process imports
 #: (its loop, the reference and fault engines, every built-in path's receiver).
 PRELOAD = (
@@ -47,7 +49,7 @@ def context() -> mp.context.BaseContext:
     pays the imports, once per process; a process it starts after that is a fork of the warm server."""
     global _booted, boot_s
     with _lock:
-        if _booted is None:
+        if _booted is None or not _server_alive():  # a server that died is booted again, here
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(list(PRELOAD))
             t0 = time.monotonic()
@@ -57,6 +59,14 @@ def context() -> mp.context.BaseContext:
             boot_s = time.monotonic() - t0
             _booted = ctx
         return _booted
+
+
+def _server_alive() -> bool:
+    """Whether this process's fork server runs (read from the kernel: reaping it is multiprocessing's job)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid is not None and pid_alive(pid)
 
 
 def _noop() -> None:
