@@ -25,8 +25,10 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 
-#: What a phase may cost beyond the sync's own timeout: spawning rank processes (importing torch in
-#: each), moving a cell's payload on a loaded 2-core runner.
+#: What a phase may cost beyond the sync's own timeout: starting rank processes (at the first deploy of a
+#: process, booting the warm fork server: torch imported once, 10 s beside 4 busy loops on 2 cores),
+#: moving a cell's payload on a loaded 2-core runner. A rank restarted inside a phase is not paid from
+#: these: it pauses the phase's clock and has a budget of its own (`paused`).
 SETUP_S = 60.0
 PHASE_SLACK_S = 10.0
 #: After an overrun, how long the work has to clean up once its ranks are killed.

@@ -1,4 +1,5 @@
-"""Receiver ranks as processes: spawn on one host, serve lifecycle and engine calls, supervise.
+"""Receiver ranks as processes: start on one host (forks of a warm server, harness.warm), serve
+lifecycle and engine calls, supervise.
 
 Each rank process holds one engine and one receiver. The parent talks to it through a pipe carrying
 JSON headers and safetensors frames (harness.wire), and supervises it: a rank that dies is reported
@@ -66,8 +67,8 @@ POLL_INTERVAL = 0.05  # how often a waiting parent checks that the rank is still
 #: A rank restarted inside a watched phase gets this multiple of the slowest start measured at deploy,
 #: which started every rank side by side (a lone restart competes with fewer): room for a host whose
 #: load grew since the deploy, still a bound that catches a restart that hangs. Never less than
-#: RESTART_FLOOR_S: under that the host's scheduler decides, not the restart (measured on 2 cores: a warm
-#: start 0.03 s quiet, 0.1-0.25 s beside 4 busy loops; a process may wait that long for a core).
+#: RESTART_FLOOR_S: a warm start is too short to scale (measured on 2 cores: 0.03 s quiet, 0.1-0.25 s
+#: beside 4 busy loops), and under a second the host's scheduler decides more than the restart does.
 RESTART_FACTOR = 4.0
 RESTART_FLOOR_S = 1.0
 #: What killing a rank that gave no reply costs the supervisor beyond the call's timeout (the stack
@@ -704,9 +705,12 @@ class RankDeployment(Deployment):
     def _restart_rank(self, rank: int) -> RankProcess:
         """Start rank `rank` again. Inside a watched phase the phase's clock stops meanwhile and the
         restart has a budget of its own, from this deployment's measured starts (not the phase's)."""
+        self._prepare_spawn()  # a warm server that died boots again here, not inside the restart's budget
         budget = self.restart_budget_s()
         slowest = max(self.start_s.values(), default=0.0)
         what = f"restarting rank {rank} (its ranks started in {slowest:.2f} s at deploy)"
+        # a pause, not a longer phase: the phase keeps its budget for its own work whatever the restart
+        # took, and a restart is judged by what starting a rank measured here, not by the phase's slack;
         # the supervisor's own kill fires first, with its specific error; the watch is the backstop
         with deadline.paused(what, budget + KILL_S + POLL_INTERVAL) as watched:
             try:

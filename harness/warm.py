@@ -6,7 +6,7 @@ again (10 s on a loaded 2-core host: a restart inside a push spent its whole bud
     p = ctx.Process(target=warm.inherit, args=(warm.here(), rank_main, *args)); p.start()
 
 The fork server starts once per process, with the environment of that moment; a child takes its
-parent's environment and working directory as they are when it is started (`here()`, applied by
+parent's environment, working directory and import path as they are when it is started (`here()`, applied by
 `inherit` before the target runs), as a spawned child would. The server only imports: no CUDA (a child
 may use the GPU: it is a fork of a process that never touched CUDA) and no Python thread (numpy's
 OpenBLAS pool has a worker thread, which OpenBLAS rebuilds after a fork itself).
@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from harness.procs import pid_alive
 
 #: What the server imports before its first fork: torch, and the harness modules a rank process imports
 #: (its loop, the reference and fault engines, every built-in path's receiver).
@@ -46,7 +49,7 @@ def context() -> mp.context.BaseContext:
     pays the imports, once per process; a process it starts after that is a fork of the warm server."""
     global _booted, boot_s
     with _lock:
-        if _booted is None:
+        if _booted is None or not _server_alive():  # a server that died is booted again, here
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(list(PRELOAD))
             t0 = time.monotonic()
@@ -58,21 +61,30 @@ def context() -> mp.context.BaseContext:
         return _booted
 
 
+def _server_alive() -> bool:
+    """Whether this process's fork server runs (read from the kernel: reaping it is multiprocessing's job)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return pid is not None and pid_alive(pid)
+
+
 def _noop() -> None:
     pass
 
 
-def here() -> tuple[dict[str, str], str]:
-    """This process's environment and working directory, for a child to take (`inherit`)."""
-    return dict(os.environ), os.getcwd()
+def here() -> tuple[dict[str, str], str, list[str]]:
+    """This process's environment, working directory and import path, for a child to take (`inherit`)."""
+    return dict(os.environ), os.getcwd(), list(sys.path)
 
 
-def inherit(parent: tuple[dict[str, str], str], target: Callable[..., Any], *args: Any) -> Any:
-    """A warm child's entry: take the parent's environment and working directory (`here()` at its start),
-    then run `target(*args)`."""
-    env, cwd = parent
+def inherit(parent: tuple[dict[str, str], str, list[str]], target: Callable[..., Any], *args: Any) -> Any:
+    """A warm child's entry: take the parent's environment, working directory and import path (`here()`
+    at its start), then run `target(*args)`."""
+    env, cwd, path = parent
     os.environ.clear()
     os.environ.update(env)
+    sys.path[:] = path
     try:
         os.chdir(cwd)
     except OSError:  # removed since: the server's own is as good as any
