@@ -2,6 +2,8 @@
 
     weightsync certify                      # every reference path -> reports/certify-<stamp>/
     weightsync certify --backend mypkg.sync:make_backend --engine reference
+    weightsync certify --quick              # a first look: PASS (quick); the report names what it left out
+    weightsync certify --jobs 8             # each suite on 8 pytest-xdist workers (default: from the cores)
     weightsync bench --backend broadcast --sizes-mib 16 64 256 --receivers 1 2 3   # -> reports/bench-<stamp>/
     weightsync cost --params 7e9 --results reports/.../results.json   # sync cost per step and placement advice
     torchrun --nproc-per-node=4 -m harness.cli validate-cluster --trainer-ranks 0 --rollout-ranks 1-3
