@@ -144,3 +144,46 @@ def test_jobs_2_decides_the_same_tests_as_jobs_1(quick_runs):
     }
     assert not differ, differ
     assert one["quick"]["skipped"] == two["quick"]["skipped"]
+
+
+@pytest.mark.parametrize(("cores", "jobs"), [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (128, 8)])
+def test_jobs_auto_uses_xdist_only_from_4_cores(monkeypatch, cores, jobs):
+    from harness import cli
+
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert cli.default_jobs() == jobs, f"{cores} cores: {cli.default_jobs()} workers, expected {jobs}"
+
+
+def test_the_full_run_is_the_quick_command_less_quick():
+    from harness.cli import full_run_command
+
+    argv = ["certify", "--quick", "--backend", "ipc", "--resume", "reports/certify-x", "-j", "4"]
+    assert full_run_command(argv) == "weightsync certify --backend ipc -j 4"
+
+
+def test_a_suite_run_in_two_parts_reads_as_one():
+    from harness.cli import merged_parts
+
+    parallel = {
+        "complete": True,
+        "exitstatus": 0,
+        "tests": {"a": {"status": "passed"}},
+        "quick_skipped": ["q"],
+    }
+    serial = {"complete": True, "exitstatus": 5, "tests": {}, "quick_skipped": ["p", "q"]}
+    one = merged_parts([parallel, serial])
+    assert one["exitstatus"] == 0 and one["complete"] and one["quick_skipped"] == ["p", "q"], one
+    failed = {"complete": True, "exitstatus": 1, "tests": {"b": {"status": "failed"}}}
+    assert merged_parts([parallel, failed])["exitstatus"] == 1
+    stopped = {
+        "complete": False,
+        "exitstatus": 3,
+        "running": "b",
+        "in_flight": ["b"],
+        "error": "stopped",
+        "tests": {},
+    }
+    two = merged_parts([parallel, stopped])
+    assert (
+        not two["complete"] and two["exitstatus"] == 3 and two["error"] == "stopped" and two["running"] == "b"
+    )
