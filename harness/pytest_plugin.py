@@ -221,7 +221,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="a first look (weightsync certify --quick): leave out the tests marked not_quick (conformance "
         "tests that take a second or more on a 2-core machine; fault cells past each fault's first point, "
-        "and seeded or drawn cells); the results file names each under quick_skipped",
+        "and seeded or drawn cells) and a backend's tests at more receivers than its fewest; the results "
+        "file names each under quick_skipped",
     )
     group.addoption(
         "--weightsync-results",
@@ -384,12 +385,21 @@ _QUICK_SKIPPED = pytest.StashKey[list]()  # node ids --weightsync-quick left out
 
 
 def _leave_out_for_quick(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Deselect the items marked not_quick and keep their node ids for the results file (under xdist each
-    worker collects, and hands them to the controller in its workeroutput)."""
-    left = [item for item in items if item.get_closest_marker("not_quick")]
+    """Deselect the items marked not_quick, and those of a backend at more receivers than its fewest (each
+    test runs at one receiver count), and keep their node ids for the results file (under xdist each worker
+    collects, and hands them to the controller in its workeroutput)."""
+    sel = _selection(config)
+
+    def quick(item: pytest.Item) -> bool:
+        if item.get_closest_marker("not_quick"):
+            return False
+        target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
+        return not target or target[1] == sel.receivers(target[0])[0]
+
+    left = [item for item in items if not quick(item)]
     if not left:
         return
-    items[:] = [item for item in items if not item.get_closest_marker("not_quick")]
+    items[:] = [item for item in items if quick(item)]
     config.hook.pytest_deselected(items=left)
     config.stash[_QUICK_SKIPPED] = [item.nodeid for item in left]
     if in_worker(config):

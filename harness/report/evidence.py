@@ -387,7 +387,7 @@ def quick_skipped(results: dict, faults: dict | None = None) -> dict[str, dict[s
     """What certify --quick left out, by suite and backend: {"conformance": {backend: [node id]}, "faults":
     {...}} (the suites' quick_skipped: tests marked not_quick, fault cells past each fault's first point)."""
     return {
-        suite: {b: list(res.get("quick_skipped", [])) for b, res in runs.items()}
+        suite: {b: sorted(res.get("quick_skipped", [])) for b, res in runs.items()}
         for suite, runs in (("conformance", results), ("faults", faults or {}))
     }
 

@@ -85,7 +85,9 @@ def _quick_parts(quick: dict | None) -> list[str]:
     return [
         "<h2>Skipped by --quick</h2>",
         "<p>A first look: the conformance tests that take a second or more on a 2-core machine (marked "
-        "<code>not_quick</code>) and every fault cell past its fault's first point were left out"
+        "<code>not_quick</code>), the tests of each backend at more receivers than its fewest, and every "
+        "fault cell past its fault's first point (in the control column, also the faults of its data plane: "
+        "disk's column has them) were left out"
         f"{_e(quick_throughput(quick))}. {_e(quick['total'])} tests in all were not run (their node ids: "
         "results.json, <code>quick.skipped</code>). The full run:</p>",
         f"<pre>{_e(quick['full_command'])}</pre>",

@@ -252,7 +252,9 @@ def quick_section(data: dict) -> list[str]:
         "## Skipped by --quick",
         "",
         "A first look: the conformance tests that take a second or more on a 2-core machine (marked "
-        f"`not_quick`) and every fault cell past its fault's first point were left out{throughput}. "
+        "`not_quick`), the tests of each backend at more receivers than its fewest, and every fault cell "
+        "past its fault's first point (in the control column, also the faults of its data plane: disk's "
+        f"column has them) were left out{throughput}. "
         f"{quick['total']} tests in all were not run. Their node ids are in results.json "
         "(`quick.skipped`). The full run:",
         "",
