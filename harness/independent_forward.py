@@ -28,6 +28,12 @@ class OracleUnavailable(WeightSyncError):
     """No independent forward can be built here (transformers missing, or an unknown architecture)."""
 
 
+class OracleMissing(OracleUnavailable):
+    """transformers is not installed: the check cannot run on this install (never a pass)."""
+
+    extra = "oracle"
+
+
 @dataclasses.dataclass(frozen=True)
 class Disagreement:
     """A token the engine produced that the independent forward does not rank first."""
@@ -52,7 +58,7 @@ class IndependentForward:
         try:
             import transformers
         except ImportError as exc:
-            raise OracleUnavailable(
+            raise OracleMissing(
                 f"no independent forward: transformers is not installed ({INSTALL_HINT})"
             ) from exc
         config = dict(model_config)

@@ -47,6 +47,9 @@ from harness.registry import (
 
 NOT_SUPPORTED = "NOT_SUPPORTED"
 UNKNOWN = "UNKNOWN"  # a fault cell whose outcome could not be established (the nemesis could not act)
+#: A check that could not run on this install (an optional dependency missing): certify cannot decide, and
+#: the reason names what to install. Only NOT_SUPPORTED (a capability not claimed) leaves a PASS standing.
+MISSING_DEPENDENCY = "MISSING_DEPENDENCY"
 
 # Under names of our own: hypothesis has a built-in "ci" profile (loaded by itself when the CI variable is
 # set), and registering ours as "ci" would change every other project's run on a CI machine.
@@ -618,7 +621,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         rec = outcomes_of(item.config).setdefault(item.nodeid, {})
         if status == "skipped" and UNKNOWN in reason:
             status = "unknown"  # a fault cell that could not run: never counted as passed
+        elif status == "skipped" and MISSING_DEPENDENCY in reason:
+            status = "missing_dependency"
         rec.update(status=status, duration_s=round(report.duration, 3))
+        if status == "missing_dependency":
+            rec["message"] = reason[-2000:]
         if status == "xfailed":
             rec["reason"] = reason  # a known failure: the report lists it with its reason
         if report.failed:

@@ -126,6 +126,11 @@ def _judge_suite(label: str, res: dict, decision: Decision, must_show: bool) -> 
             decision.failed.append(f"{label}: {nodeid} {status}")
         elif status == "unknown" or cell.get("verdict") == "unknown":
             decision.undecided.append(f"{label}: {nodeid} unknown (the outcome could not be established)")
+        elif status == "missing_dependency":  # a check that could not run is not a pass
+            why = (rec.get("message") or "").partition("MISSING_DEPENDENCY:")[2].strip()
+            decision.undecided.append(
+                f"{label}: {nodeid} could not run here: {why or 'a dependency is missing'}"
+            )
     exitstatus = res.get("exitstatus", 0)
     if res.get("error"):
         decision.undecided.append(f"{label}: {res['error']}")

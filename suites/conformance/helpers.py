@@ -14,8 +14,8 @@ from harness.api import Completion, Deployment, Engine, GenerationRequest, Reque
 from harness.checks import assert_bitwise_equal
 from harness.deployment import push
 from harness.engines.reference import PREFIX_BLOCK
-from harness.independent_forward import IndependentForward, OracleUnavailable, score, summary
-from harness.pytest_plugin import NOT_SUPPORTED
+from harness.independent_forward import IndependentForward, OracleMissing, OracleUnavailable, score, summary
+from harness.pytest_plugin import MISSING_DEPENDENCY, NOT_SUPPORTED
 
 LONG = 48  # tokens of a request that is expected to run to its end
 # Requests that must still be running when pause arrives: an engine in another process runs ahead
@@ -139,7 +139,7 @@ def kept_in_flight(engine: Engine, prompt=PI_PROMPT) -> tuple[list[RequestStream
 # ------------------------------------------------------------------------------------ computed output
 def independent_forward(engine: Engine, checkpoint: Mapping[str, torch.Tensor]) -> IndependentForward:
     """The checkpoint run by transformers, built from the engine's model_config() (NOT_SUPPORTED when the
-    engine names no model; skipped, never passed, when transformers is missing)."""
+    engine names no model; MISSING_DEPENDENCY when transformers is missing: certify cannot decide then)."""
     config = engine.model_config()
     if config is None:
         pytest.skip(
@@ -147,6 +147,8 @@ def independent_forward(engine: Engine, checkpoint: Mapping[str, torch.Tensor]) 
         )
     try:
         return IndependentForward(config).load(checkpoint)
+    except OracleMissing as exc:  # the check cannot run on this install: never a pass
+        pytest.skip(f"{MISSING_DEPENDENCY}: {exc}")
     except OracleUnavailable as exc:
         pytest.skip(str(exc))
 

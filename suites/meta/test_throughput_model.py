@@ -129,3 +129,22 @@ def test_the_fit_recovers_a_line_and_refuses_what_is_no_line():
     assert fit_line([(1e6, 2.0), (2e6, 1.0)]) is None, "time falling with bytes has no bandwidth"
     clamped = fit_line([(0, 0.0), (1e9, 0.5), (2e9, 2.0)])
     assert clamped.fixed_s == 0.0 and clamped.bandwidth_gbs > 0, clamped
+
+
+@pytest.mark.multiproc
+def test_a_slow_backend_that_declares_no_floor_fails_on_its_ceiling_kinds_default(tmp_path):
+    """Issue 38: a custom backend declaring no floor was judged against 0.0 (the floors were keyed by
+    built-in names), so its throughput could never fail. Now it gets its ceiling kind's default: a
+    broadcast under another name whose trainer makes 30 needless copies of every tensor fails."""
+    from suites.meta.broken import NeedlessCopyBroadcastBackend
+
+    class VendorSync(NeedlessCopyBroadcastBackend):
+        name = "vendor-sync"
+
+    backend = VendorSync()
+    gate = bench.gate_for(backend)
+    assert (gate.bandwidth_floor, gate.source) == (0.4, "default of gloo; fixed: default of gloo"), gate
+    (row,) = bench.measure_sync(backend, [64 * MIB], 1, repeats=3, workdir=str(tmp_path))
+    figures = f"{row.time_s * 1e3:.1f} ms where {row.allowed_s * 1e3:.1f} ms is allowed ({row.floor_source})"
+    assert row.wrong == 0, figures
+    assert (row.verdict, row.passed) == ("below floor", False), figures
