@@ -91,6 +91,32 @@ class CellObservation:
         return None if self.error is None else _error_text(self.error).strip()[-1500:]
 
 
+#: What a writer prints on every failure of its kind, whatever was damaged: an error that carries only
+#: these has said that something failed, not what. A fault's `must_name` word among them never counts
+#: (lowercase; matched whole, so "segment wsync-1-ab removed" still names its segment).
+STOCK_PHRASES = frozenset(
+    {
+        "no such file or directory",
+        "no space left on device",
+        "address already in use",
+        "in use",
+        "failed",
+        "removed",
+        "missing",
+        "replaced",
+        "foreign",
+        "not found",
+        "error",
+    }
+)
+
+
+def damage_names(must_name) -> list[str]:
+    """The words of `must_name` that name the damaged thing itself (its segment, directory, port,
+    filesystem), without the stock phrases a writer prints on every failure."""
+    return [w for w in must_name if w and w.strip().lower() not in STOCK_PHRASES]
+
+
 def _error_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(exc))
 
@@ -144,9 +170,10 @@ def judge_cell(obs: CellObservation) -> tuple[str, list[str]]:
         injected_trainer = isinstance(obs.error, RuntimeError) and "injected trainer failure" in text
         if not isinstance(obs.error, WeightSyncError | MemoryError) and not injected_trainer:
             problems.append(f"the failure is not a specific error: {type(obs.error).__name__}: {text[:300]}")
-        if obs.must_name and not any(w and w in text for w in obs.must_name):
+        named = damage_names(obs.must_name)
+        if obs.must_name and not any(w in text for w in named):
             problems.append(
-                f"the error does not say what was damaged (none of {list(obs.must_name)[:4]}): {text.strip()[:300]}"
+                f"the error does not say what was damaged (none of {named[:4]}): {text.strip()[:300]}"
             )
         if getattr(obs.fault, "names_victim", False) and obs.victim_name and obs.victim_name not in text:
             problems.append(f"the error does not name the faulty receiver ({obs.victim_name}): {text[:300]}")

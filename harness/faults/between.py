@@ -8,20 +8,26 @@ first push after it commits bit for bit on every engine, or fails once with an e
 was damaged and the push after it commits: never "every push fails until someone redeploys".
 
 Each kind does its damage in setup() (the cell calls it after the clean push committed) and strikes
-nothing during the push; `must_name` are the words of which a failed push's error must carry one.
+nothing during the push; `must_name` names the damaged thing (a segment, a directory, a port), of
+which a failed push's error must carry one: never a phrase a writer prints on every failure
+(harness.checks.STOCK_PHRASES). What the damage leaves there that is another process's (the file that
+took a segment's name, the squatter on a port) must be there afterwards as it was, byte for byte.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from harness.faults.injectors import Fault, FaultContext, PointNotApplicable
+from harness.faults.injectors import Fault, FaultContext, ForeignFile, PointNotApplicable
 from harness.procs import pid_alive
 
 FAMILY = "between-syncs"
@@ -74,11 +80,13 @@ class ShmRemoved(BetweenSyncs):
 
     @property
     def must_name(self) -> tuple[str, ...]:
-        return ("removed", *self.names)
+        return tuple(self.names)
 
 
 class ShmReplaced(BetweenSyncs):
-    """One segment of the trainer replaced by another process's file of the same name and size."""
+    """One segment of the trainer replaced by another process's file of the same name and size. The
+    file is not the trainer's: after the faulty push and after the recovery it is still there, the
+    same inode with the same bytes (a sender that takes the name back deletes someone's data)."""
 
     kind = "shm-replaced"
 
@@ -106,12 +114,21 @@ class ShmReplaced(BetweenSyncs):
             timeout=60,
         )
         self.path, self.ino = path, path.stat().st_ino
+        self.foreign = ForeignFile.of(path)
         self.what = f"segment {name} replaced by a foreign file of {size} bytes"
         ctx.note(self.what)
 
     @property
     def must_name(self) -> tuple[str, ...]:
-        return ("replaced", "foreign", self.path.name)
+        return (self.path.name,)
+
+    def check(self, ctx):
+        self.problems = self.foreign.problems("after the faulty push")
+        return self.problems
+
+    def check_after_recovery(self, ctx):
+        done = getattr(self, "problems", [])
+        return [] if done else self.foreign.problems("after the recovery push")
 
     def teardown(self, ctx):
         path = getattr(self, "path", None)  # the foreign file is the host's, not the trainer's: removed here
@@ -142,8 +159,8 @@ class CheckpointsRemoved(BetweenSyncs):
         ctx.note(self.what)
 
     @property
-    def must_name(self) -> tuple[str, ...]:
-        return ("removed", "missing", *self.names)
+    def must_name(self) -> tuple[str, ...]:  # the directories themselves, not the run directory above
+        return tuple(self.names)
 
 
 def _kill(ctx: FaultContext, victim: int) -> int:
@@ -188,23 +205,26 @@ def _group_port(sender) -> int | None:
     return None
 
 
-#: A process that takes a TCP port the moment it is free and holds it until killed.
+#: A process that takes a TCP port the moment it is free and holds it until killed, answering every
+#: connection with its nonce (so a check can tell it still holds the port).
 _SQUATTER = """
 import socket, sys, time
-port = int(sys.argv[1])
+port, nonce = int(sys.argv[1]), sys.argv[2].encode()
 while True:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("127.0.0.1", port))
-        s.listen(1)
+        s.listen(8)
         print("bound", flush=True)
         break
     except OSError:
         s.close()
         time.sleep(0.0005)
 while True:
-    time.sleep(3600)
+    conn, _ = s.accept()
+    conn.sendall(nonce + b"\\n")
+    conn.close()
 """
 
 
@@ -225,8 +245,9 @@ class PortTaken(BetweenSyncs):
 
     def damage(self, ctx):
         self.port = _group_port(ctx.deployment.sender)
+        self.nonce, self.bound = secrets.token_hex(8), False
         self.squatter = subprocess.Popen(
-            [sys.executable, "-c", _SQUATTER, str(self.port)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _SQUATTER, str(self.port), self.nonce], stdout=subprocess.PIPE, text=True
         )
         ctx.victim = len(ctx.deployment.handles) - 1
         pid = _kill(ctx, ctx.victim)
@@ -235,25 +256,60 @@ class PortTaken(BetweenSyncs):
 
     @property
     def must_name(self) -> tuple[str, ...]:
-        return (str(self.port), "in use")
+        return (str(self.port),)
 
     def heal(self, ctx):
+        self.problems = self._squatter_problems()
         taken = self._stop()
         ctx.note(
             f"port {self.port} {'was taken by the squatter' if taken else 'never came free during the push'}"
         )
 
+    def check(self, ctx):
+        return getattr(self, "problems", [])
+
     def teardown(self, ctx):
         self._stop()
+
+    def _squatter_problems(self) -> list[str]:
+        """The squatter is another process's: after the push it is alive and, where it took the port,
+        the port still leads to it."""
+        squatter = self.squatter
+        if squatter.poll() is not None:
+            return [
+                f"after the faulty push: the process that took port {self.port} (pid {squatter.pid}, not the "
+                f"trainer's) is gone (exit {squatter.returncode}): the trainer killed another process"
+            ]
+        if not self._bound():
+            return []
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2.0) as conn:
+                conn.settimeout(2.0)
+                answer = conn.recv(64).decode(errors="replace").strip()
+        except OSError as exc:
+            answer = f"{type(exc).__name__}: {exc}"
+        if answer != self.nonce:
+            return [
+                f"after the faulty push: port {self.port}, taken by pid {squatter.pid} (not the trainer's), "
+                f"no longer leads to it (a connection got {answer[:80]!r}): the trainer took the port back"
+            ]
+        return []
+
+    def _bound(self) -> bool:
+        """Whether the squatter has taken the port yet (its one line, read without blocking)."""
+        if not self.bound and select.select([self.squatter.stdout], [], [], 0)[0]:
+            self.bound = "bound" in (self.squatter.stdout.readline() or "")
+        return self.bound
 
     def _stop(self) -> bool:
         squatter = getattr(self, "squatter", None)
         if squatter is None:
             return False
+        bound = self._bound()
         squatter.kill()
         out, _ = squatter.communicate(timeout=10)
         self.squatter = None
-        return "bound" in (out or "")
+        return bound or "bound" in (out or "")
 
 
 KINDS: tuple[type[Fault], ...] = (ShmRemoved, ShmReplaced, CheckpointsRemoved, RankKilledIdle, PortTaken)

@@ -211,7 +211,8 @@ def note_patch(ctx: FaultContext, dep, version: int) -> None:
 
 
 def recover(dep, obs: CellObservation, version: int, ctx: FaultContext | None = None) -> None:
-    """The push after heal (no redeploy by hand), and the final oracle read."""
+    """The push after heal (no redeploy by hand), the fault's oracle after it (given `ctx`), and the
+    final oracle read."""
     obs.recovery_version = version
     t1 = time.monotonic()
     try:
@@ -221,6 +222,7 @@ def recover(dep, obs: CellObservation, version: int, ctx: FaultContext | None = 
     obs.recover_s = time.monotonic() - t1
     if ctx is not None:
         note_patch(ctx, dep, version)
+        obs.fault_problems = [*obs.fault_problems, *obs.fault.check_after_recovery(ctx)]
     obs.after_recovery = read_engines(dep)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import os
 import random
 import signal
@@ -53,6 +54,53 @@ class FaultContext:
         """Wait until every armed strike has happened (it may land after the push returned)."""
         for t in self.timers:
             t.join()
+
+
+@dataclasses.dataclass
+class ForeignFile:
+    """A file of another process's that a cell puts where the trainer can reach it (a name its segment
+    held, space on its filesystem): whatever the trainer does about it, the file stays as its owner
+    left it, the same inode holding the same bytes."""
+
+    path: Path
+    ino: int
+    size: int
+    sha256: str
+
+    @classmethod
+    def of(cls, path: str | Path) -> ForeignFile:
+        path = Path(path)
+        st = path.stat()
+        return cls(path, st.st_ino, st.st_size, _sha256(path))
+
+    def problems(self, when: str) -> list[str]:
+        """What happened to the file (empty: intact, byte for byte), each line naming it."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return [
+                f"{when}: another process's file {self.path} ({self.size} bytes, inode {self.ino}) is gone: "
+                "the trainer removed a file that is not its own"
+            ]
+        if st.st_ino != self.ino:
+            return [
+                f"{when}: another process's file {self.path} (inode {self.ino}) was replaced by inode "
+                f"{st.st_ino}: the trainer took a name held by a file that is not its own"
+            ]
+        if st.st_size != self.size or _sha256(self.path) != self.sha256:
+            return [
+                f"{when}: another process's file {self.path} changed ({st.st_size} bytes, was {self.size}; "
+                "the bytes differ): the trainer wrote into a file that is not its own"
+            ]
+        return []
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class PointNotApplicable(Exception):
@@ -103,6 +151,11 @@ class Fault(abc.ABC):
 
     def check(self, ctx: FaultContext) -> list[str]:
         """After heal: what this fault's own oracle finds wrong (e.g. an operation applied twice)."""
+        return []
+
+    def check_after_recovery(self, ctx: FaultContext) -> list[str]:
+        """After the push that follows heal: what the oracle finds wrong then (another process's file,
+        left alone by the faulty push, taken by the recovery)."""
         return []
 
     def describe(self, ctx: FaultContext) -> str:
@@ -479,12 +532,14 @@ class StorageFull(Fault):
     def setup(self, ctx):
         if os.environ.get(PRIVATE_SHM_ENV) == "1":
             free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-            self.filler = f"/dev/shm/wsync-{os.getpid()}-filler"
+            # another job's file, not a segment of the trainer's: it must be there, intact, at heal
+            self.filler = f"/dev/shm/other-job-{os.getpid()}-filler"
             fd = os.open(self.filler, os.O_CREAT | os.O_WRONLY, 0o600)
             try:
                 os.posix_fallocate(fd, 0, max(free - (1 << 20), 1))  # leave 1 MiB: less than a version
             finally:
                 os.close(fd)
+            self.foreign = ForeignFile.of(self.filler)
             ctx.note(f"/dev/shm (private tmpfs) filled to 1 MiB free by {self.filler}")
             return
         self.mount = ctx.deployment.sender.run_dir  # the directory the next versions are written in
@@ -498,10 +553,15 @@ class StorageFull(Fault):
 
     def heal(self, ctx):
         if getattr(self, "filler", None):
-            os.unlink(self.filler)
+            self.foreign_problems = self.foreign.problems("after the faulty push")
+            if os.path.exists(self.filler) and os.stat(self.filler).st_ino == self.foreign.ino:
+                os.unlink(self.filler)
             self.filler = None
         elif getattr(self, "size", None):
             _run(["mount", "-o", f"remount,size={self.size * 16}", str(self.mount)])
+
+    def check(self, ctx):
+        return getattr(self, "foreign_problems", [])
 
     def teardown(self, ctx):
         if getattr(self, "filler", None):

@@ -137,7 +137,7 @@ def run_soak(
                     fault.teardown(ctx)
                     v += 1
                     continue
-                recover(dep, obs, v + 1)
+                recover(dep, obs, v + 1, ctx)
                 seen.update({p.pid: p for p in dep.processes()})
                 verdict, reasons = judge_cell(obs)
                 cells.append(

@@ -256,10 +256,7 @@ class IpcSender(Sender):
     def shutdown(self) -> None:
         self.complete(False)
         for shm in self._segments:
-            if _damage(shm):
-                _abandon(shm)
-            else:
-                _release(shm)
+            _release(shm)  # a segment whose name is gone or taken is abandoned, not unlinked
         self._segments.clear()
 
 
@@ -292,6 +289,12 @@ def _abandon(shm: shared_memory.SharedMemory) -> None:
 
 
 def _release(shm: shared_memory.SharedMemory) -> None:
+    """Close and unlink a segment of ours; where its name no longer leads to it (removed, or another
+    process's file took it) the name is not ours to unlink: abandoned instead. (A bucket dropped when
+    a patch needed fewer, or a size change, used to unlink a foreign file by the name.)"""
+    if _damage(shm):
+        _abandon(shm)
+        return
     shm.close()
     try:
         shm.unlink()

@@ -9,6 +9,7 @@ import torch
 from fixtures.payloads import random_like_spec
 from harness.api import BackendError, LifecycleError, ManifestMismatch, UnknownTensorError, VersionError
 from harness.deployment import push
+from harness.faults.cell import next_step
 from harness.registry import resolve_backend
 from suites.conformance.helpers import assert_unchanged, deliver_tampered, push_and_check, snapshot
 
@@ -28,7 +29,10 @@ def _model_weights(deployment, seed):
 
 
 def _then_recovers(deployment, context):
-    push_and_check(deployment, 2, _model_weights(deployment, seed=2), f"{context}: next good sync")
+    """The next good sync is the trainer's next step from version 1 (as a trainer recovers), so a patch
+    path sends a patch against what the engines held through the refusal."""
+    step = next_step(_model_weights(deployment, seed=1), seed=2)
+    push_and_check(deployment, 2, step, f"{context}: next good sync")
 
 
 def _refused(deployment, exc_type, tensors, version, must_name):

@@ -1,7 +1,9 @@
 """Supervision of receiver ranks, for the backend under test: a rank that hangs fails the sync within
 the configured timeout, names itself and dumps its Python stacks; a rank that died is restarted by the
 next push, whose engine then converges; the surviving engines keep their version throughout.
-(Deaths and stalls at every point of a transfer: suites/faults.)"""
+(Deaths and stalls at every point of a transfer: suites/faults.) Versions are consecutive trainer steps
+(harness.faults.cell.cell_versions), as the fault cells push: a patch path sends the push after a
+restart as a patch unless it forgot its base, so a restarted engine at version 0 shows whether it did."""
 
 from __future__ import annotations
 
@@ -12,19 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.payloads import random_like_spec
 from harness.api import RankFailure
+from harness.checks import assert_bitwise_equal
 from harness.deadline import declared_timeouts, over_bound
 from harness.deployment import push
-from harness.faults.cell import with_timeout
+from harness.faults.cell import cell_versions, with_timeout
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.single_receiver]
 
 TIMEOUT_S = 3.0
-
-
-def _weights(spec, seed):
-    return random_like_spec(spec, seed=seed)
 
 
 def _deploy(backend, n, tmp_path, engine=None):
@@ -45,16 +43,18 @@ def test_rank_killed_between_syncs_is_restarted_by_the_next_push(
         # the trainer's side of the spec, read while every rank is up: at 1 receiver the victim is the
         # only engine there is, and a dead rank has no spec to give
         spec = dep.handles[0].engine.weight_spec()
-        push(dep, 1, _weights(spec, 1))
+        versions = cell_versions(spec, seed=1)  # version 2 is version 1 one trainer step later
+        push(dep, 1, versions[1])
         victim = dep.processes()[-1]
         os.kill(victim.pid, signal.SIGKILL)
-        push(dep, 2, _weights(spec, 2))  # no redeploy by hand
+        push(dep, 2, versions[2])  # no redeploy by hand; the restarted engine holds version 0
         now = dep.processes()[-1]
         assert now.pid != victim.pid, f"{victim.name} (pid {victim.pid}) was killed but not replaced"
         for i, h in enumerate(dep.handles):
             assert h.engine.weight_version == 2, (
                 f"engine {i} serves {h.engine.weight_version} after the push of 2"
             )
+            assert_bitwise_equal(versions[2], h.engine.read_weights(), f"engine {i} after the push of 2")
 
 
 @pytest.mark.not_quick  # 8 s
@@ -69,7 +69,7 @@ def test_hung_rank_is_killed_with_its_stacks_dumped(weightsync_backend, weightsy
         t0 = time.monotonic()
         with pytest.raises(RankFailure) as info:
             push(
-                dep, 1, _weights(dep.handles[0].engine.weight_spec(), 1)
+                dep, 1, cell_versions(dep.handles[0].engine.weight_spec(), seed=1, n=1)[1]
             )  # finish hangs in commit_weights on every rank
         elapsed = time.monotonic() - t0
         assert elapsed < 2 * TIMEOUT_S, f"the hang surfaced after {elapsed:.1f}s with a {TIMEOUT_S}s timeout"

@@ -22,12 +22,11 @@ import time
 import pytest
 import torch
 
-from fixtures.payloads import random_like_spec
 from harness.api import TensorSpec, WeightSyncError
 from harness.backends.broadcast import BroadcastBackend
 from harness.checks import CellObservation, judge_cell
 from harness.deployment import push
-from harness.faults.cell import detached, read_engines, recover
+from harness.faults.cell import cell_versions, detached, read_engines, recover
 from harness.faults.container_rank import deploy_broadcast
 from harness.faults.docker_net import (
     BandwidthCap,
@@ -363,7 +362,7 @@ def test_broadcast_fault_cell(kind, docker_host, tmp_path, monkeypatch):
     backend = BroadcastBackend(timeout_s=TIMEOUT_S)
     options = {"mem_limit": "1500m", "memswap_limit": "1500m"} if kind == "oom" else {}
     with deploy_broadcast(backend, docker_host, 2, SPEC, str(tmp_path), container_options=options) as dep:
-        sent = {v: random_like_spec(SPEC, seed=v) for v in (1, 2, 3)}
+        sent = cell_versions(SPEC, seed=1)  # consecutive trainer steps, as every fault cell pushes
         push(dep, 1, sent[1])
 
         victim, other = dep.ranks[1], dep.ranks[0]  # rank 2 takes the fault
