@@ -138,7 +138,9 @@ def _engine_shard(p: EngineParam, model: ModelShape, m: int, rank: int, shapes) 
 
 def _qkv_rows(model: ModelShape, m: int, rank: int) -> list[Span]:
     """q, k and v rows of engine `rank` (QKVParallelLinear: kv heads split, or replicated over
-    m // kv_heads ranks each when m >= kv_heads)."""
+    m // kv_heads ranks each when m >= kv_heads: vLLM's num_kv_head_replicas = tp_size //
+    total_num_kv_heads, and rank r loads kv head r // num_kv_head_replicas, so ranks 0..R-1 hold head 0,
+    ranks R..2R-1 head 1, and so on, in blocks, not round robin)."""
     hd = model.head_dim
     q = _split(model.heads * hd, m, rank)
     if m >= model.kv_heads:
@@ -344,16 +346,22 @@ def _span(v: Iterable[int] | None) -> Span | None:
     return None if v is None else tuple(v)  # type: ignore[return-value]
 
 
-def build_plan(trainer: TrainerLayout, engine: EngineLayout) -> ReshardPlan:
+def build_plan(
+    trainer: TrainerLayout, engine: EngineLayout, shards: Iterable[EngineShard] | None = None
+) -> ReshardPlan:
     """The plan for these two layouts: every engine shard's segments cut along the trainer's shard
     boundaries. A replicated trainer parameter is sent by the trainer rank that has sent the fewest
-    bytes so far (lowest rank on a tie), so no rank carries every replicated tensor."""
+    bytes so far (lowest rank on a tie), so no rank carries every replicated tensor. `shards`: the
+    engine shards to fill (default: vLLM's cuts, `engine_shards` of every rank; the meta tier's broken
+    planners pass shards cut otherwise)."""
     itemsize = torch.empty((), dtype=DTYPES[trainer.dtype]).element_size()
     shapes = {p.name: p.shape for p in trainer.params}
     missing = sorted({s for p in engine.params for s in p.sources} - set(shapes))
     if missing:
         raise ValueError(f"engine parameters need checkpoint tensors the trainer does not hold: {missing}")
-    shards = [s for r in range(engine.n_ranks) for s in engine_shards(engine, shapes, r)]
+    if shards is None:
+        shards = [s for r in range(engine.n_ranks) for s in engine_shards(engine, shapes, r)]
+    shards = list(shards)
     sent = [0] * trainer.n_ranks
     transfers: list[Transfer] = []
     for shard in shards:

@@ -3,9 +3,11 @@ tensor-parallel engine shards over M ranks, every engine shard equal bit for bit
 full weights (fused qkv with GQA, gate_up, padded vocab, tied lm_head), with each byte moved once per
 engine shard that holds it.
 
-Two tiers: the plan's arithmetic in one process (many drawn layouts, the same cuts as the wire), and
-real syncs over gloo between N trainer and M engine processes whose shards torch's own `fully_shard`
-and `distribute_tensor` made (a few drawn models per world). The planner under test is
+Two tiers: the plan's arithmetic in one process (many drawn layouts, the same cuts as the wire: TP 1, 2,
+4 and 8, N from 1 to 8 trainer ranks, kv heads fewer than, equal to and more than the TP ranks, vocab
+padding that leaves the last ranks padding only), and real syncs over gloo between N trainer and M
+engine processes whose shards torch's own `fully_shard` and `distribute_tensor` made (a few drawn models
+per world; the 3 -> 8 world is in the slow tier: 11 processes take 40 s to start on 2 cores). The planner under test is
 harness.reshard.plan:build_plan unless WEIGHTSYNC_RESHARD_PLANNER names another (`pkg.module:function`
 taking the trainer and engine layouts).
 
@@ -20,13 +22,24 @@ import json
 import os
 
 import pytest
-from hypothesis import given, settings
+import torch
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fixtures.reshard_shapes import DTYPES, TRAINER_APIS, model_shapes
+from fixtures.reshard_shapes import (
+    DTYPES,
+    KV_EQUAL,
+    KV_FEWER,
+    KV_MORE,
+    RANKS,
+    TP_SIZES,
+    TRAINER_APIS,
+    kv_relation,
+    model_shapes,
+)
 from harness.checks import bitwise_mismatches
 from harness.pytest_plugin import outcomes_of
-from harness.reshard.layout import ModelShape, engine_layout, full_weights, trainer_layout
+from harness.reshard.layout import QKV, ModelShape, engine_layout, full_weights, trainer_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import ReshardPlan
 from harness.reshard.sync import chunk_locals, simulate
@@ -34,12 +47,15 @@ from harness.reshard.world import ReshardWorld, job
 
 PLANNER_ENV = "WEIGHTSYNC_RESHARD_PLANNER"
 PLANNER = os.environ.get(PLANNER_ENV, "harness.reshard.plan:build_plan")
-RANKS = st.tuples(st.integers(1, 3), st.integers(1, 2))
-WORLDS = [(n, m) for n in (1, 2, 3) for m in (1, 2)]
+#: Gloo worlds (N trainer, M engine ranks): every N <= 3 against TP 1 and 2, then 3 -> 4 (neither divides
+#: the other; 7 processes, about 20 s to start on the loaded 2-core box) and, in the slow tier, 3 -> 8
+#: (11 processes, about 40 s)
+WORLDS = [(n, m) for n in (1, 2, 3) for m in (1, 2)] + [(3, 4), (3, 8)]
+SLOW_WORLDS = {(3, 8)}
 #: The weightsync-thorough profile (--weightsync-hypothesis-profile=thorough) draws ten times as many
 THOROUGH = settings.get_current_profile_name() == "weightsync-thorough"
 #: Drawn layouts per in-process plan test, and drawn models per gloo world (each a job of two versions)
-PLAN_EXAMPLES = 1000 if THOROUGH else 100
+PLAN_EXAMPLES = 3000 if THOROUGH else 300
 GLOO_EXAMPLES = 30 if THOROUGH else 3
 RERUN = "pytest suites/conformance/test_reshard.py"
 
@@ -68,11 +84,13 @@ def shard_problems(plan: ReshardPlan, full, engines) -> list[str]:
 def test_plan_fills_every_engine_shard_bit_for_bit(ranks, dtype, api, data):
     n, m = ranks
     model = data.draw(model_shapes(m), label="model")
+    event(f"TP {m}, kv heads {kv_relation(model.kv_heads, m)}")
     plan = plan_for(model, n, m, dtype, api)
     full = full_weights(model, dtype, seed=1)
     problems = shard_problems(plan, full, simulate(plan, chunk_locals(plan, full)))
     assert not problems, (
-        f"{n} trainer -> {m} engine ranks, {dtype}, {model}: {len(problems)} engine shard(s) wrong:\n  "
+        f"{n} trainer -> {m} engine ranks, {dtype}, {model} (kv heads {kv_relation(model.kv_heads, m)} "
+        f"than TP ranks): {len(problems)} engine shard(s) wrong:\n  "
         + "\n  ".join(problems[:8])
         + f"\nrerun: {RERUN} -k plan_fills"
     )
@@ -117,6 +135,93 @@ def test_plan_is_deterministic_and_round_trips_json(ranks, dtype, data):
     assert back == plan, f"{model}, {n}->{m}: the plan read back from JSON differs from the plan"
 
 
+def tp_case(m: int, relation: str) -> ModelShape:
+    """A model for TP `m` with kv heads `relation` to it (fewer: 2 kv heads, each on m / 2 ranks, or 1 on
+    both ranks at TP 2; equal; more: 2m), vocab 100 padded to 128 (at TP 8: rank 6 holds 4 real rows and
+    12 of padding, rank 7 padding only; at TP 4 rank 3 holds 4 real rows), hidden 7 (3 and 6 trainer
+    ranks cut it unevenly)."""
+    kv = {KV_FEWER: 2 if m >= 4 else 1, KV_EQUAL: m, KV_MORE: 2 * m}[relation]
+    return ModelShape(
+        vocab=100,
+        hidden=7,
+        heads=2 * m,
+        kv_heads=kv,
+        head_dim=3,
+        intermediate=3 * m,
+        layers=1,
+        tied=relation != KV_EQUAL,
+        qkv_bias=True,
+    )
+
+
+#: Every TP size against every kv relation it allows (TP 1 has no kv head to replicate), from 3 and 6
+#: trainer ranks: each case drawn above by chance is here for certain
+TP_CASES = [
+    (n, m, r)
+    for m in TP_SIZES
+    for r in (KV_FEWER, KV_EQUAL, KV_MORE)
+    if m > 1 or r != KV_FEWER
+    for n in (3, 6)
+]
+
+
+@pytest.mark.parametrize(("n", "m", "relation"), TP_CASES, ids=[f"{n}x{m}-kv-{r}" for n, m, r in TP_CASES])
+def test_every_tp_size_and_kv_relation_fills_its_shards_with_the_minimum_bytes(n, m, relation):
+    model = tp_case(m, relation)
+    assert kv_relation(model.kv_heads, m) == relation
+    plan = plan_for(model, n, m, "bfloat16")
+    full = full_weights(model, "bfloat16", seed=5)
+    problems = shard_problems(plan, full, simulate(plan, chunk_locals(plan, full)))
+    assert not problems, (
+        f"{n} trainer -> {m} engine ranks, {model}: {len(problems)} engine shard(s) wrong:\n  "
+        + "\n  ".join(problems[:8])
+        + f"\nrerun: {RERUN} -k '{n}x{m}-kv-{relation}'"
+    )
+    planned, minimum = plan.bytes_per_rank(), plan.minimum_bytes()
+    assert {k: planned[k] for k in minimum if k != "total"} == {
+        k: v for k, v in minimum.items() if k != "total"
+    }, f"{model}, {n}->{m}: planned bytes per engine rank are not the minimum\n{plan.bytes_table()}"
+    assert sum(planned[f"trainer {r}"] for r in range(n)) == minimum["total"], plan.bytes_table()
+
+
+def vllm_kv_heads(rank: int, tp: int, kv_heads: int) -> list[int]:
+    """The kv heads TP rank `rank` loads, as vLLM's QKVParallelLinear does: with tp >= kv_heads,
+    num_kv_head_replicas = tp // kv_heads and the rank loads head rank // num_kv_head_replicas, which is
+    rank * kv_heads // tp (consecutive ranks share a head); else kv_heads // tp heads, in order."""
+    if tp >= kv_heads:
+        return [rank * kv_heads // tp]
+    per = kv_heads // tp
+    return list(range(rank * per, (rank + 1) * per))
+
+
+KV_CASES = [(m, kv) for m in TP_SIZES for kv in (1, 2, 4, 8, 16) if kv % m == 0 or m % kv == 0]
+
+
+@pytest.mark.parametrize(("m", "kv"), KV_CASES, ids=[f"tp{m}-kv{kv}" for m, kv in KV_CASES])
+def test_the_oracle_puts_each_kv_head_on_the_ranks_vllm_loads_it_on(m, kv):
+    """The judge itself against vLLM's rule: k_proj / v_proj rows filled with their head's number, each
+    rank's k and v rows of qkv_proj hold exactly the heads vLLM's weight loader gives that rank."""
+    head_dim, heads = 2, max(m, kv) * 2
+    model = ModelShape(vocab=8, hidden=3, heads=heads, kv_heads=kv, head_dim=head_dim, intermediate=m)
+    full = full_weights(model, "float32", seed=0)
+    a = "model.layers.0.self_attn"
+    for i, x in enumerate("kv"):
+        ids = torch.arange(kv, dtype=torch.float32).repeat_interleave(head_dim) + 100 * i
+        full[f"{a}.{x}_proj.weight"] = ids[:, None].expand(kv * head_dim, model.hidden).clone()
+    layout = engine_layout(model, m)
+    assert [p.kind for p in layout.params if p.name == f"{a}.qkv_proj.weight"] == [QKV]
+    q_rows = heads * head_dim // m
+    for rank in range(m):
+        qkv = expected_engine_shards(full, layout, rank)[f"{a}.qkv_proj.weight"]
+        want = vllm_kv_heads(rank, m, kv)
+        k, v = qkv[q_rows:].split(len(want) * head_dim)
+        got = [sorted({int(x) for x in t[:, 0].tolist()}) for t in (k, v)]
+        assert got == [want, [100 + h for h in want]], (
+            f"TP {m}, {kv} kv heads: rank {rank} holds k heads {got[0]}, v heads {got[1]}; vLLM loads "
+            f"kv heads {want} there"
+        )
+
+
 def test_plan_table_names_every_transfer_and_the_minimum(record_property):
     model = ModelShape(vocab=70, qkv_bias=True)
     plan = plan_for(model, 3, 2, "bfloat16")
@@ -153,7 +258,11 @@ def reshard_worlds():
 
 @pytest.mark.multiproc
 @pytest.mark.not_quick  # 9 s
-@pytest.mark.parametrize(("n", "m"), WORLDS, ids=[f"{n}x{m}" for n, m in WORLDS])
+@pytest.mark.parametrize(
+    ("n", "m"),
+    [pytest.param(n, m, marks=[pytest.mark.slow] if (n, m) in SLOW_WORLDS else []) for n, m in WORLDS],
+    ids=[f"{n}x{m}" for n, m in WORLDS],
+)
 @settings(max_examples=GLOO_EXAMPLES, deadline=None)
 @given(api=TRAINER_APIS, dtype=DTYPES, seed=st.integers(0, 2**16), data=st.data())
 def test_sync_over_gloo_fills_every_engine_shard_bit_for_bit(reshard_worlds, n, m, api, dtype, seed, data):
@@ -164,37 +273,81 @@ def test_sync_over_gloo_fills_every_engine_shard_bit_for_bit(reshard_worlds, n, 
         f"{api} {dtype} seed {seed} {model}: the resharded sync failed:\n{run.summary()}\n"
         f"plan:\n{plan.table()}\nrerun: {RERUN} -k '{n}x{m}'"
     )
+    minimum = plan.minimum_bytes()
     for step in (0, 1):  # the same plan, reused for a second version
         measured = run.measured_bytes(step)
         planned = plan.bytes_per_rank()
         assert measured == planned, f"step {step}: bytes per rank measured {measured}, planned {planned}"
+        over = {e: (measured[f"engine {e}"], minimum[f"engine {e}"]) for e in range(m)}
+        over = {e: v for e, v in over.items() if v[0] != v[1]}
+        assert not over and sum(measured[f"trainer {t}"] for t in range(n)) == minimum["total"], (
+            f"step {step}: engine ranks received (measured, minimum) bytes {over}, the trainers sent "
+            f"{sum(measured[f'trainer {t}'] for t in range(n))} B of a {minimum['total']} B minimum\n"
+            f"{plan.bytes_table(measured)}"
+        )
 
 
-#: Shapes where the cuts meet their edges: vocab 1 (engine rank 1 holds only padding), hidden 1 (two of
-#: three trainer shards of every norm empty), one kv head held by both engine ranks, vocab padding 2
-EDGE_MODELS = [
-    ModelShape(vocab=1, hidden=1, heads=2, kv_heads=1, head_dim=1, intermediate=2, qkv_bias=True),
-    ModelShape(
-        vocab=3,
-        hidden=2,
-        heads=2,
-        kv_heads=2,
-        head_dim=1,
-        intermediate=2,
-        tied=False,
-        vocab_padding=2,
-        layers=2,
+#: Shapes where the cuts meet their edges, (N, M, id, model): at 3 -> 2, vocab 1 (engine rank 1 holds
+#: only padding), hidden 1 (two of three trainer shards of every norm empty), one kv head held by both
+#: engine ranks, vocab padding 2; at 3 -> 4, 2 kv heads each held by two ranks (0-1 head 0, 2-3 head 1),
+#: vocab 70 padded to 128 (rank 2: 6 real rows and 26 of padding, rank 3 padding only), hidden 5; at
+#: 3 -> 8 (slow tier), 2 kv heads each on four ranks, vocab 100 padded to 128 (rank 6: 4 real rows, rank 7
+#: padding only)
+EDGE_CASES = [
+    (
+        3,
+        2,
+        "vocab1-hidden1",
+        ModelShape(vocab=1, hidden=1, heads=2, kv_heads=1, head_dim=1, intermediate=2, qkv_bias=True),
+    ),
+    (
+        3,
+        2,
+        "vocab3-untied",
+        ModelShape(
+            vocab=3,
+            hidden=2,
+            heads=2,
+            kv_heads=2,
+            head_dim=1,
+            intermediate=2,
+            tied=False,
+            vocab_padding=2,
+            layers=2,
+        ),
+    ),
+    (
+        3,
+        4,
+        "tp4-kv2",
+        ModelShape(vocab=70, hidden=5, heads=4, kv_heads=2, head_dim=3, intermediate=8, qkv_bias=True),
+    ),
+    (
+        3,
+        8,
+        "tp8-kv2",
+        ModelShape(vocab=100, hidden=7, heads=8, kv_heads=2, head_dim=2, intermediate=8, tied=False),
     ),
 ]
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("api", ["fsdp2", "dtensor"])
-@pytest.mark.parametrize("model", EDGE_MODELS, ids=["vocab1-hidden1", "vocab3-untied"])
-def test_sync_over_gloo_fills_edge_shards_bit_for_bit(reshard_worlds, model, api):
-    plan = plan_for(model, 3, 2, "float32", api)
-    run = reshard_worlds(3, 2).run(job(model, api, "float32", seed=7, steps=1, plan=plan))
+@pytest.mark.parametrize(
+    ("n", "m", "model"),
+    [
+        pytest.param(n, m, model, id=name, marks=[pytest.mark.slow] if (n, m) in SLOW_WORLDS else [])
+        for n, m, name, model in EDGE_CASES
+    ],
+)
+def test_sync_over_gloo_fills_edge_shards_bit_for_bit(reshard_worlds, n, m, model, api):
+    plan = plan_for(model, n, m, "float32", api)
+    run = reshard_worlds(n, m).run(job(model, api, "float32", seed=7, steps=1, plan=plan))
     assert run.ok, f"{api} {model}: the resharded sync failed:\n{run.summary()}\nplan:\n{plan.table()}"
+    minimum, measured = plan.minimum_bytes(), run.measured_bytes(0)
+    assert all(measured[f"engine {e}"] == minimum[f"engine {e}"] for e in range(m)), plan.bytes_table(
+        measured
+    )
 
 
 @pytest.mark.multiproc

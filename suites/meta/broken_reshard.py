@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from harness.reshard.layout import EngineLayout, TrainerLayout
-from harness.reshard.plan import ReshardPlan, build_plan
+from harness.reshard.layout import QKV, EngineLayout, TrainerLayout
+from harness.reshard.plan import ReshardPlan, build_plan, engine_shards
 
 
 def off_by_one_row(plan: ReshardPlan) -> tuple[ReshardPlan, int]:
@@ -30,3 +30,26 @@ def _fits(plan: ReshardPlan, t, d: int) -> bool:
 
 def off_by_one_row_planner(trainer: TrainerLayout, engine: EngineLayout) -> ReshardPlan:
     return off_by_one_row(build_plan(trainer, engine))[0]
+
+
+def kv_heads_round_robin_planner(trainer: TrainerLayout, engine: EngineLayout) -> ReshardPlan:
+    """Replicated kv heads on the wrong TP ranks: with kv_heads < M, rank r gets kv head r % kv_heads
+    (round robin) where vLLM gives it head r // (M / kv_heads) (blocks of consecutive ranks). Every shard
+    has the right size and the bytes per rank are the minimum; only the k and v rows' contents are wrong.
+    It is right whenever M <= kv_heads or kv_heads == 1, so TP 1 and 2 cannot tell it from vLLM's rule:
+    the first layout that can is TP 4 with 2 kv heads (ranks 1 and 2 swapped)."""
+    model, m = engine.model, engine.n_ranks
+    shapes = {p.name: p.shape for p in trainer.params}
+    shards = [s for r in range(m) for s in engine_shards(engine, shapes, r)]
+    if m > model.kv_heads:
+        kinds = {p.name: p.kind for p in engine.params}
+        hd = model.head_dim
+        wrong = []
+        for s in shards:
+            if kinds[s.name] == QKV:
+                head = s.rank % model.kv_heads
+                segs = [dataclasses.replace(g, rows=(head * hd, (head + 1) * hd)) for g in s.segments[1:]]
+                s = dataclasses.replace(s, segments=(s.segments[0], *segs))
+            wrong.append(s)
+        shards = wrong
+    return build_plan(trainer, engine, shards)
