@@ -228,6 +228,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "file names each under quick_skipped",
     )
     group.addoption(
+        "--weightsync-control-url",
+        default=None,
+        metavar="URL",
+        help="suites/control: certify the control server running at URL (one server for the run; tests "
+        "that need a fresh one are NOT_SUPPORTED once it has committed a version) instead of the harness's own",
+    )
+    group.addoption(
+        "--weightsync-control-token",
+        default=None,
+        metavar="TOKEN",
+        help="the bearer token the server at --weightsync-control-url wants on mutating routes",
+    )
+    group.addoption(
+        "--weightsync-control-server",
+        default=None,
+        metavar="pkg.module:factory",
+        help="suites/control: certify servers this factory starts, one per test (it returns a started object "
+        "with url and close(); see harness/control/under_test.py) instead of the harness's own",
+    )
+    group.addoption(
+        "--weightsync-control-dir",
+        default=None,
+        metavar="DIR",
+        help="a directory the foreign control server reads checkpoints from (the disk data plane); "
+        "default: the factory's server's data_dir, else a temporary one",
+    )
+    group.addoption(
         "--weightsync-results",
         default=None,
         help="write per-test outcomes (passed/failed/skipped/NOT_SUPPORTED, examples) as JSON to this path",
@@ -237,6 +264,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 _SELECTION = pytest.StashKey[Selection]()
 _OUTCOMES = pytest.StashKey[dict]()  # nodeid -> the record written to --weightsync-results
 _ACTIVE = pytest.StashKey[bool]()
+_CONTROL_TARGET = pytest.StashKey[object]()
 
 
 def _selection(config: pytest.Config) -> Selection:
@@ -263,6 +291,27 @@ def selection_of(config: pytest.Config) -> Selection:
     """What this run certifies: the backends, the engine, the receiver counts (for a suite's own
     parametrization, before any fixture exists)."""
     return _selection(config)
+
+
+def control_target_of(config: pytest.Config):
+    """The control server suites/control certifies (`harness.control.under_test.ControlTarget`): the
+    harness's own unless --weightsync-control-url or --weightsync-control-server names another."""
+    from harness.control.under_test import ControlTarget
+
+    target = config.stash.get(_CONTROL_TARGET, None)
+    if target is None:
+        data_dir = config.getoption("--weightsync-control-dir")
+        try:
+            target = ControlTarget(
+                url=config.getoption("--weightsync-control-url"),
+                token=config.getoption("--weightsync-control-token"),
+                factory=config.getoption("--weightsync-control-server"),
+                data_dir=Path(data_dir) if data_dir else None,
+            )
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        config.stash[_CONTROL_TARGET] = target
+    return target
 
 
 def outcomes_of(config: pytest.Config) -> dict:
@@ -360,6 +409,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"weightsync: engine={sel.engine} tied-engine={sel.tied_engine} "
         f"hypothesis profile={settings.get_current_profile_name()}"
     )
+    if config.getoption("--weightsync-control-url") or config.getoption("--weightsync-control-server"):
+        lines.append(f"weightsync: control server under test: {control_target_of(config).describe()}")
     if sel.engine_caps is not ENGINE_UNRESTRICTED:
         lines.append(
             f"weightsync:   engine limits={json.dumps(sel.engine_caps.describe(), sort_keys=True)} "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from harness.api import GenerationRequest, LifecycleError, UnknownTensorError, VersionError
+from harness.api import EngineStateError, GenerationRequest, LifecycleError, UnknownTensorError, VersionError
 from harness.checks import assert_bitwise_equal
 from harness.control.app import ServerThread
 from harness.control.client import AmbiguousResultError, ControlClient
@@ -245,3 +245,49 @@ def test_version_labels_follow_vllm(served):
     c.finish_weight_update(None)  # what vLLM's HTTPVLLMWeightSyncClient sends: no body at all
     info = c.weight_status()
     assert (info["weight_version"], info["engine_version"]) == ("2", 2), info
+
+
+# --------------------------------------------------------------------------------------------- a refused commit
+def test_a_refused_finish_leaves_weight_info_on_the_old_version_and_label(served):
+    """A finish the server refuses (it names a version other than the staged one) commits nothing, so
+    /weight_info must still report the old version's label: a server that publishes the new label before
+    the commit, and keeps it when the commit fails, tells rollouts they run on weights they do not have.
+    HTTP only: runs against any server under test."""
+    c = served.client
+    c.start_weight_update()
+    c.update_weights(served.deployment.sender.prepare(1, weights_for(served.engine, seed=1)))
+    c.finish_weight_update("step-1")
+    assert c.weight_version() == "step-1", c.weight_info()
+    c.start_weight_update()
+    c.update_weights(served.deployment.sender.prepare(2, weights_for(served.engine, seed=2)))
+    # by hand: ControlClient would read /weight_info to resolve the refusal, and a server that publishes
+    # early makes it report a commit that never ran
+    refused = httpx.post(
+        served.url + "/finish_weight_update", json={"weight_version": "3"}, headers=served.auth(), timeout=60
+    )  # version 2 is staged: nothing may commit
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "VersionError", refused.text
+    assert c.weight_info() == {"weight_version": "step-1"}, (
+        f"/weight_info after a refused finish of version 3 (2 staged, 1 committed as 'step-1'): "
+        f"{c.weight_info()}; the refused version's label was published although nothing committed"
+    )
+    assert served.engine.weight_version == 1, served.client.weight_status()
+
+
+def test_a_commit_that_fails_in_the_engine_leaves_weight_info_on_the_old_label(served, monkeypatch):
+    """The engine itself fails the commit (injected into the reference server's engine): the finish is
+    an error and /weight_info keeps the committed version's label."""
+    served.push(1, weights_for(served.engine, seed=1))
+
+    def fails(tensors, version):
+        raise EngineStateError(f"injected: the engine failed to commit version {version}")
+
+    monkeypatch.setattr(served.engine, "commit_weights", fails)
+    c = served.client
+    c.start_weight_update()
+    c.update_weights(served.deployment.sender.prepare(2, weights_for(served.engine, seed=2)))
+    with pytest.raises(EngineStateError, match="injected"):
+        c.finish_weight_update("step-2")
+    assert c.weight_info() == {"weight_version": "1"}, (
+        f"/weight_info after the engine failed to commit version 2 (labelled 'step-2'): {c.weight_info()}"
+    )
+    assert served.engine.weight_version == 1
