@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
@@ -90,9 +91,16 @@ class Op:
         """The API's function or property this operation serves (None for the rank's own)."""
         return None if self.method is None else inspect.getattr_static(TARGETS[self.target], self.method)
 
-    @property
+    @functools.cached_property
     def is_property(self) -> bool:
         return isinstance(self.api_member, property)
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The API member's signature, which `call` binds its arguments with (made once: binding with a
+        fresh inspect.signature cost more than the pipe's round trip, 2026-12-04)."""
+        member = self.api_member
+        return inspect.signature(member.fget if isinstance(member, property) else member)
 
 
 _NOT_HTTP_DIRECT = "not over HTTP: read from the engine reached another way (`direct`, e.g. the rank's pipe)"
@@ -180,9 +188,7 @@ def call(rank: Rank, name: str, *args: Any, timeout: float | None = None, **kwar
     overrides it); returns the decoded reply or raises what the rank raised."""
     op = OPS[name]
     if op.method is not None:
-        member = op.api_member
-        func = member.fget if isinstance(member, property) else member
-        bound = inspect.signature(func).bind(None, *args, **kwargs)
+        bound = op.signature.bind(None, *args, **kwargs)
         bound.apply_defaults()
         values = {a: bound.arguments[a] for a in op.args}
     else:
