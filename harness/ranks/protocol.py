@@ -186,6 +186,45 @@ def call(rank: Rank, name: str, *args: Any, timeout: float | None = None, **kwar
     """Run operation `name` on `rank` with the arguments its member takes (bound as the API's signature
     binds them, defaults included), encoded as the table says, within its timeout class (`timeout`
     overrides it); returns the decoded reply or raises what the rank raised."""
+    op, timeout, frame, json_args = _encode(rank, name, args, kwargs, timeout)
+    reply = rank.call(name, timeout=timeout, tensors=frame, **json_args)
+    return reply if op.reply == TENSORS else op.reply.from_json(reply)
+
+
+class Pending(Protocol):
+    """A call sent and not yet answered (harness.launch.PendingCall)."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def result(self) -> Any: ...
+
+
+def begin(rank: Any, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Pending | None:
+    """`call`, sent now and answered later: the reply (decoded) or what the rank raised comes from
+    `result()` of what this returns. None where the rank cannot send it without blocking (no `begin`, a
+    tensor frame, a large request): the caller makes the call instead."""
+    op, timeout, frame, json_args = _encode(rank, name, args, kwargs, timeout)
+    if frame is not None or op.reply == TENSORS or not hasattr(rank, "begin"):
+        return None
+    sent = rank.begin(name, timeout=timeout, **json_args)
+    return None if sent is None else _Decoded(sent, op.reply)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+    sent: Pending
+    codec: Codec
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.sent.wait(timeout)
+
+    def result(self) -> Any:
+        return self.codec.from_json(self.sent.result())
+
+
+def _encode(
+    rank: Rank, name: str, args: tuple, kwargs: dict, timeout: float | None
+) -> tuple[Op, float | None, dict | None, dict[str, Any]]:
     op = OPS[name]
     if op.method is not None:
         bound = op.signature.bind(None, *args, **kwargs)
@@ -201,9 +240,7 @@ def call(rank: Rank, name: str, *args: Any, timeout: float | None = None, **kwar
         frame = None if frame is None else dict(frame)
     if timeout is None and op.timeout == "abort":
         timeout = max(rank.timeout / 3, 1.0)
-    json_args = {a: op.codec(a).to_json(v) for a, v in values.items()}
-    reply = rank.call(name, timeout=timeout, tensors=frame, **json_args)
-    return reply if op.reply == TENSORS else op.reply.from_json(reply)
+    return op, timeout, frame, {a: op.codec(a).to_json(v) for a, v in values.items()}
 
 
 def _proxy_member(op: Op, owner: type) -> Any:
