@@ -65,25 +65,74 @@ def transfer(
     timeout = 2 * deployment.timeout_s if timeout is None else timeout
     handles = deployment.handles
     clock = clock or Clock(None)
+    # a receiver in a rank process is sent its call from here, its reply read below (no thread hand-off);
+    # the sender and any other receiver run on the delivery threads, all at once
+    sent = []
+    for h in handles:
+        try:
+            sent.append(_begin(h.receiver, "update_weights", update_info))
+        except Exception as exc:  # noqa: BLE001 - a rank that cannot be sent it fails as on a thread
+            sent.append(_Failed(exc))
     pool = _delivery_pool(deployment, len(handles) + 1)
-    futures = [pool.submit(deployment.sender.transmit)]
-    futures += [pool.submit(h.receiver.update_weights, update_info) for h in handles]
-    _, pending = cf.wait(futures, timeout=timeout)
+    futures: list = [pool.submit(deployment.sender.transmit)]
+    futures += [
+        pool.submit(h.receiver.update_weights, update_info) if p is None else p
+        for h, p in zip(handles, sent, strict=True)
+    ]
+    end = time.monotonic() + timeout
+    outcomes: list[BaseException | None] = [None] * len(futures)
+    for i, f in enumerate(futures):
+        if isinstance(f, cf.Future):
+            continue
+        if not f.wait(max(end - time.monotonic(), 0.0)):
+            # not answered in time: a delivery thread waits on for it, to its rank's deadline (then the
+            # rank is killed), and the transfer fails below naming it, as a receiver stuck on a thread
+            futures[i] = pool.submit(f.result)
+            continue
+        try:
+            f.result()
+        except Exception as exc:  # noqa: BLE001 - ranked with the others below
+            outcomes[i] = exc
+    threaded = [f for f in futures if isinstance(f, cf.Future)]
+    _, pending = cf.wait(threaded, timeout=max(end - time.monotonic(), 0.0))
     if pending:
         _drop_delivery_pool(deployment)  # a stuck party must not hang the trainer; the error says who
         who = ["the sender" if futures.index(f) == 0 else f"receiver {futures.index(f) - 1}" for f in pending]
         raise TransferError(
             f"delivery of version {version}: {', '.join(who)} still running after {timeout:g}s"
         )
-    errors = [(i, f.exception()) for i, f in enumerate(futures) if f.exception() is not None]
+    for i, f in enumerate(futures):
+        if isinstance(f, cf.Future):
+            outcomes[i] = f.exception()
+    errors = [(i, exc) for i, exc in enumerate(outcomes) if exc is not None]
     if errors:
         primary = _most_telling(errors)
         # the traceback will hold this frame: drop what would make a cycle through the futures,
         # or every failed sync keeps its tensors alive until a full garbage collection
-        del futures, errors
+        del futures, errors, outcomes, threaded
         raise primary
     clock.lap("transfer")
     return update_info
+
+
+class _Failed:
+    """A call that failed to be sent: answered at once with its error."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def result(self):
+        raise self.error
+
+
+def _begin(receiver, method: str, *args):
+    """`method` sent to a receiver that can take it without waiting for its reply (a rank's pipe proxy:
+    RemoteReceiver.begin): its pending reply; None for the others (called on a thread instead)."""
+    begin = getattr(receiver, "begin", None)
+    return begin(method, *args) if begin is not None else None
 
 
 #: Each deployment's delivery threads, kept across pushes: starting N+1 threads per push cost more than
@@ -147,14 +196,20 @@ def push(
     started: list[EngineHandle] = []
     try:
         try:
-            _start_all(deployment, started)
-        except RankFailure:  # a rank died since the health check; nothing was sent yet: recover once
+            # every rank starts while the trainer prepares: a rank's start is in flight meanwhile, and
+            # nothing is delivered before every engine has started
+            update_info = _start_and_prepare(deployment, version, named_tensors, started, clock)
+        except _DiedAtStart:  # a rank died since the health check; nothing was sent yet: recover once
             _abort_all(started)
             started.clear()
+            deployment.sender.complete(False)  # its prepared version is never delivered
             deployment.recover()
             _start_all(deployment, started)
-        clock.lap("start")
-        deliver(deployment, version, named_tensors, timeout, clock)
+            clock.lap("start")
+            update_info = deployment.sender.prepare(version, named_tensors)
+            clock.lap("prepare")
+        del named_tensors  # a failed transfer's traceback must not keep the version's tensors alive
+        transfer(deployment, version, update_info, timeout, clock)
     except BaseException as exc:
         # No engine may commit a version another engine refused: discard everywhere.
         _abort_all(started)
@@ -208,6 +263,63 @@ class Clock:
             if self.on_lap is not None:
                 self.on_lap(name)
             self.t = time.perf_counter()
+
+
+def _start_and_prepare(
+    deployment: Deployment,
+    version: int,
+    named_tensors: Mapping[str, torch.Tensor],
+    started: list[EngineHandle],
+    clock: Clock,
+) -> JSON:
+    """start_weight_update on every engine, the sender's prepare while the ranks start (their replies read
+    after it: every one, whatever prepare did); `started` gets each engine that started. A start's failure
+    is raised before prepare's: an engine that cannot start is what the push reports."""
+    sent = []
+    for h in deployment.handles:
+        try:
+            pending = _begin(h.receiver, "start_weight_update")
+            if pending is None:  # an engine the driver calls in turn (in this process, over HTTP)
+                h.receiver.start_weight_update()
+                started.append(h)
+            else:
+                sent.append((h, pending))
+        except RankFailure as exc:
+            _collect_starts(sent, started)  # raises an earlier engine's failure first, as in turn
+            raise _DiedAtStart() from exc
+        except BaseException:
+            _collect_starts(sent, started)
+            raise
+    clock.lap("start")
+    try:
+        update_info = deployment.sender.prepare(version, named_tensors)
+    except BaseException:
+        _collect_starts(sent, started)  # raises a start's failure, else prepare's goes on
+        raise
+    clock.lap("prepare")
+    _collect_starts(sent, started)
+    clock.lap("start")
+    return update_info
+
+
+def _collect_starts(sent: list, started: list[EngineHandle]) -> None:
+    """Read every start's reply; `started` gets those that started; the first failure is raised (a rank
+    that died: _DiedAtStart)."""
+    failure: BaseException | None = None
+    for h, pending in sent:
+        try:
+            pending.result()
+            started.append(h)
+        except Exception as exc:  # noqa: BLE001 - the others are read first
+            failure = failure or exc
+    if isinstance(failure, RankFailure):
+        raise _DiedAtStart() from failure
+    if failure is not None:
+        raise failure
+
+
+class _DiedAtStart(Exception):
+    """A rank died between the health check and its start (push recovers once; never seen outside)."""
 
 
 def _start_all(deployment: Deployment, started: list[EngineHandle]) -> None:

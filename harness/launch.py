@@ -12,6 +12,7 @@ process handle and one deadline per call; what crosses the pipe is harness.ranks
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
@@ -325,6 +326,53 @@ def kill_ranks_in_flight(grace_s: float = 0.0) -> None:
             r.process.kill()
 
 
+#: The largest request `RankProcess.begin` sends: one the pipe's socket buffer (about 200 KiB on Linux)
+#: takes whole while the rank is busy, or stopped, so sending it never blocks the caller.
+BEGIN_MAX_BYTES = 32 << 10
+
+
+class PendingCall:
+    """A call sent by `RankProcess.begin` whose reply may not have been read yet."""
+
+    def __init__(self, rank: RankProcess, op: str, deadline: float):
+        self.rank, self.op, self.deadline = rank, op, deadline
+        self.sent_at = time.monotonic()
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Read the reply if it comes within `timeout` (None: by this call's deadline, past which the rank
+        is killed); True once it is read. False leaves it on the pipe, the rank untouched."""
+        if self.done:
+            return True
+        rank = self.rank
+        # whoever holds the pipe reads this reply before its own, and gives it up by this deadline
+        bound = max(self.deadline - time.monotonic(), 0.0) + KILL_S + POLL_INTERVAL
+        if not rank._lock.acquire(bound if timeout is None else min(timeout, bound)):
+            if timeout is None:
+                raise RankBusy(rank._busy_message(self.op, bound))
+            return False
+        try:
+            if timeout is None:
+                rank._settle(self, None)
+            else:
+                try:
+                    rank._settle(self, (self.op, timeout, time.monotonic() + timeout))
+                except RankBusy:
+                    return False
+        finally:
+            rank._lock.release()
+        return True
+
+    def result(self) -> Any:
+        """The rank's reply, or what it raised (RankFailure: died, or killed at this call's deadline)."""
+        self.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class RankProcess:
     """A supervised rank: call(op, ...) returns its result or raises what the rank raised."""
 
@@ -364,6 +412,7 @@ class RankProcess:
         child.close()
         self._lock = FifoLock()
         self._broken: str | None = None
+        self._sent: collections.deque[PendingCall] = collections.deque()  # begun, reply not read yet
         with self._lock, self._running("start"):
             self._reply("start", start_timeout)
 
@@ -387,33 +436,86 @@ class RankProcess:
     ):
         """Run `op` on the rank. `timeout` (default: the rank's) bounds the whole call, the wait for the
         pipe included: a call that cannot get the pipe in time raises RankBusy, naming the call that holds
-        it; a rank that does not answer in time is killed (stacks dumped) and the call raises RankFailure."""
+        it; a rank that does not answer in time is killed (stacks dumped) and the call raises RankFailure.
+        The replies of calls sent before it (`begin`) are read first, in the order they were sent."""
         timeout = timeout or self.timeout
         deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout):
             raise RankBusy(self._busy_message(op, timeout))
         try:
-            if self._broken:
-                raise RankFailure(f"rank {self.rank} (pid {self.pid}) is unusable: {self._broken}")
-            left = deadline - time.monotonic()
-            if left < min(timeout / 4, 1.0):  # too little left to wait for a reply: do not start the call
-                raise RankBusy(self._busy_message(op, timeout))
+            self._settle(None, (op, timeout, deadline))
+            self._check_usable(op, timeout, deadline)
             with self._running(op):
-                try:
-                    self._conn.send_bytes(
-                        wire.dumps({"op": op, "args": args, "tensors": tensors is not None})
-                    )
-                    if tensors is not None:
-                        self._conn.send_bytes(wire.tensors_to_bytes(tensors))
-                except OSError as exc:  # BrokenPipe: the rank is gone
-                    self.process.join(1.0)
-                    self._broken = f"died ({describe_exit(self.process.exitcode)}) before {op} ({exc})"
-                    raise RankFailure(
-                        f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}"
-                    ) from None
-                return self._reply(op, left)
+                self._send(op, tensors, wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
+                return self._reply(op, deadline - time.monotonic())
         finally:
             self._lock.release()
+
+    def begin(self, op: str, timeout: float | None = None, **args) -> PendingCall | None:
+        """Send `op` (JSON arguments only) and return at once, its reply left on the pipe: the caller does
+        other work meanwhile (the driver prepares a version while its ranks start) and reads it with
+        `result()` of what this returns; a call made meanwhile reads it first, so the pipe stays free
+        for others. Bounded as `call` is, from now. None where the request could not be sent without
+        blocking (larger than BEGIN_MAX_BYTES): the caller makes the call instead."""
+        header = wire.dumps({"op": op, "args": args, "tensors": False})
+        if len(header) > BEGIN_MAX_BYTES:
+            return None
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout):
+            raise RankBusy(self._busy_message(op, timeout))
+        try:
+            self._settle(None, (op, timeout, deadline))
+            self._check_usable(op, timeout, deadline)
+            pending = PendingCall(self, op, deadline)
+            self._in_flight = (op, pending.sent_at)
+            _LIVE_RANKS.add(self)
+            try:
+                self._send(op, None, header)
+            except BaseException:
+                self._in_flight = None
+                raise
+            self._sent.append(pending)
+            return pending
+        finally:
+            self._lock.release()
+
+    def _check_usable(self, op: str, timeout: float, deadline: float) -> None:
+        if self._broken:
+            raise RankFailure(f"rank {self.rank} (pid {self.pid}) is unusable: {self._broken}")
+        if deadline - time.monotonic() < min(timeout / 4, 1.0):  # too little left to wait for a reply
+            raise RankBusy(self._busy_message(op, timeout))
+
+    def _send(self, op: str, tensors: Mapping[str, torch.Tensor] | None, header: bytes) -> None:
+        try:
+            self._conn.send_bytes(header)
+            if tensors is not None:
+                self._conn.send_bytes(wire.tensors_to_bytes(tensors))
+        except OSError as exc:  # BrokenPipe: the rank is gone
+            self.process.join(1.0)
+            self._broken = f"died ({describe_exit(self.process.exitcode)}) before {op} ({exc})"
+            raise RankFailure(
+                f"rank {self.rank} (pid {self.pid}) {self._broken}; log tail:\n{self.log_tail()}"
+            ) from None
+
+    def _settle(self, until: PendingCall | None, caller: tuple[str, float, float] | None) -> None:
+        """Read the replies of calls sent with `begin`, oldest first, into their PendingCall: all of them,
+        or up to `until`. Each is bounded by its own deadline (past it the rank is killed, as `call` does);
+        `caller` (op, timeout, deadline), a call waiting behind them, gives up with RankBusy at its own."""
+        while self._sent and (until is None or not until.done):
+            pending = self._sent[0]
+            if self._broken:
+                pending.error = RankFailure(f"rank {self.rank} (pid {self.pid}) is unusable: {self._broken}")
+            else:
+                try:
+                    pending.value = self._reply(pending.op, pending.deadline - time.monotonic(), caller)
+                except RankBusy:
+                    raise  # left for its owner: this caller only gave up waiting behind it
+                except Exception as exc:  # noqa: BLE001 - the owner's result() raises it
+                    pending.error = exc
+            pending.done = True
+            self._sent.popleft()
+            self._in_flight = (self._sent[0].op, self._sent[0].sent_at) if self._sent else None
 
     @contextlib.contextmanager
     def _running(self, op: str) -> Iterator[None]:
@@ -437,9 +539,13 @@ class RankProcess:
             f"({holder}; the rank is left to that call's deadline)"
         )
 
-    def _reply(self, op: str, timeout: float):
+    def _reply(self, op: str, timeout: float, behind: tuple[str, float, float] | None = None):
+        """The reply to `op`, within `timeout` (then the rank is killed); `behind`, a call waiting for this
+        reply before it can send its own (op, timeout, deadline): RankBusy at its deadline, nothing killed."""
         deadline = time.monotonic() + timeout
         while not self._ready():
+            if behind is not None and time.monotonic() > behind[2] and time.monotonic() <= deadline:
+                raise RankBusy(self._busy_message(behind[0], behind[1]))
             if not self.process.is_alive():
                 self._broken = f"died ({describe_exit(self.process.exitcode)}) during {op}"
                 raise RankFailure(
@@ -497,6 +603,11 @@ class RemoteReceiver(Receiver):
 
     def __init__(self, rank: RankProcess):
         self.rank = rank
+
+    def begin(self, method: str, *args: Any) -> protocol.Pending | None:
+        """Send lifecycle call `method` now and return its pending reply (RankProcess.begin), so the driver
+        overlaps the rank's work with its own; None where it must be called instead."""
+        return protocol.begin(self.rank, method, *args)
 
 
 @protocol.pipe_proxy("engine")

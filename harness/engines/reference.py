@@ -250,10 +250,12 @@ class ReferenceEngine(Engine):
         # Build the whole new live dict first (copy-on-write), then swap it in under the step lock.
         with self._priority():
             self._refuse_while_loading(version)
-            checkpoint = tiny_lm.unfuse(self._live, self.config)
-        # ownership passes to the engine (a receiver on another device than the engine's pays a copy here)
-        checkpoint.update({n: t.detach().to(self.device) for n, t in tensors.items()})
-        new_live = tiny_lm.fuse(checkpoint)
+            live = self._live
+        # ownership passes to the engine (a receiver on another device than the engine's pays a copy here);
+        # only what the version names is rebuilt (a fused group arrives whole: check_update), the rest of
+        # the live dict is shared with the old one, whose tensors no commit ever writes
+        new_live = dict(live)
+        new_live.update(tiny_lm.fuse({n: t.detach().to(self.device) for n, t in tensors.items()}))
         with self._priority():
             if version <= self._version:  # re-checked: another commit may have landed meanwhile
                 raise VersionError(f"version {version} is not newer than the committed {self._version}")

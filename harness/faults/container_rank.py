@@ -18,6 +18,7 @@ so a network fault cuts both, as it would between real hosts.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import secrets
@@ -131,6 +132,7 @@ class ContainerRankProcess(RankProcess):
         self.host = host
         self._lock = FifoLock()
         self._broken: str | None = None
+        self._sent = collections.deque()  # calls begun, their replies not read yet (RankProcess.begin)
         authkey = secrets.token_bytes(32)
         listener = Listener((host.gateway_ip(), 0), authkey=authkey)
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
@@ -90,9 +91,16 @@ class Op:
         """The API's function or property this operation serves (None for the rank's own)."""
         return None if self.method is None else inspect.getattr_static(TARGETS[self.target], self.method)
 
-    @property
+    @functools.cached_property
     def is_property(self) -> bool:
         return isinstance(self.api_member, property)
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The API member's signature, which `call` binds its arguments with (made once: binding with a
+        fresh inspect.signature cost more than the pipe's round trip, 2026-12-04)."""
+        member = self.api_member
+        return inspect.signature(member.fget if isinstance(member, property) else member)
 
 
 _NOT_HTTP_DIRECT = "not over HTTP: read from the engine reached another way (`direct`, e.g. the rank's pipe)"
@@ -178,11 +186,48 @@ def call(rank: Rank, name: str, *args: Any, timeout: float | None = None, **kwar
     """Run operation `name` on `rank` with the arguments its member takes (bound as the API's signature
     binds them, defaults included), encoded as the table says, within its timeout class (`timeout`
     overrides it); returns the decoded reply or raises what the rank raised."""
+    op, timeout, frame, json_args = _encode(rank, name, args, kwargs, timeout)
+    reply = rank.call(name, timeout=timeout, tensors=frame, **json_args)
+    return reply if op.reply == TENSORS else op.reply.from_json(reply)
+
+
+class Pending(Protocol):
+    """A call sent and not yet answered (harness.launch.PendingCall)."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def result(self) -> Any: ...
+
+
+def begin(rank: Any, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Pending | None:
+    """`call`, sent now and answered later: the reply (decoded) or what the rank raised comes from
+    `result()` of what this returns. None where the rank cannot send it without blocking (no `begin`, a
+    tensor frame, a large request): the caller makes the call instead."""
+    op, timeout, frame, json_args = _encode(rank, name, args, kwargs, timeout)
+    if frame is not None or op.reply == TENSORS or not hasattr(rank, "begin"):
+        return None
+    sent = rank.begin(name, timeout=timeout, **json_args)
+    return None if sent is None else _Decoded(sent, op.reply)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+    sent: Pending
+    codec: Codec
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.sent.wait(timeout)
+
+    def result(self) -> Any:
+        return self.codec.from_json(self.sent.result())
+
+
+def _encode(
+    rank: Rank, name: str, args: tuple, kwargs: dict, timeout: float | None
+) -> tuple[Op, float | None, dict | None, dict[str, Any]]:
     op = OPS[name]
     if op.method is not None:
-        member = op.api_member
-        func = member.fget if isinstance(member, property) else member
-        bound = inspect.signature(func).bind(None, *args, **kwargs)
+        bound = op.signature.bind(None, *args, **kwargs)
         bound.apply_defaults()
         values = {a: bound.arguments[a] for a in op.args}
     else:
@@ -195,9 +240,7 @@ def call(rank: Rank, name: str, *args: Any, timeout: float | None = None, **kwar
         frame = None if frame is None else dict(frame)
     if timeout is None and op.timeout == "abort":
         timeout = max(rank.timeout / 3, 1.0)
-    json_args = {a: op.codec(a).to_json(v) for a, v in values.items()}
-    reply = rank.call(name, timeout=timeout, tensors=frame, **json_args)
-    return reply if op.reply == TENSORS else op.reply.from_json(reply)
+    return op, timeout, frame, {a: op.codec(a).to_json(v) for a, v in values.items()}
 
 
 def _proxy_member(op: Op, owner: type) -> Any:

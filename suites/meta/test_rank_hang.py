@@ -21,7 +21,7 @@ import pytest
 from harness.api import GenerationRequest, RankFailure
 from harness.backends.ipc import IpcBackend
 from harness.cli import fail_the_stopped_test
-from harness.launch import RPC_SLACK, FifoLock, calls_in_flight, describe_calls_in_flight
+from harness.launch import RPC_SLACK, FifoLock, RankBusy, calls_in_flight, describe_calls_in_flight
 from harness.procs import process_state
 from harness.report import EXIT_STATUS, FAIL, UNDECIDED, decide
 
@@ -216,6 +216,37 @@ def test_a_caller_interrupted_while_waiting_for_the_pipe_does_not_hang_later_cal
     caller.join(RANK_TIMEOUT_S + 2)
     assert not caller.is_alive(), "a call after an interrupted one waits forever for the rank's pipe"
     assert isinstance(out.get("error"), RankFailure), out
+
+
+@pytest.mark.multiproc
+def test_a_begun_call_is_read_in_order_and_bounded_by_its_own_deadline(tmp_path):
+    """RankProcess.begin (the driver overlaps its ranks' start with its prepare): the next call reads the
+    begun reply first; on a stopped rank a caller behind a begun call gives up at its own deadline without
+    killing the rank, which is killed at the begun call's deadline, as its result() says."""
+    dep = IpcBackend(timeout_s=TIMEOUT_S).deploy(1, None, str(tmp_path))
+    try:
+        rank = dep.ranks[0]
+        first = rank.begin("ping")
+        assert rank.call("ping") == rank.pid, "a call read the begun call's reply as its own"
+        assert first.done and first.result() == rank.pid
+        os.kill(rank.pid, signal.SIGSTOP)
+        _until(lambda: process_state(rank.pid) == "T", 5, "the rank to stop")
+        begun = rank.begin("ping")
+        assert begun.wait(0.2) is False, "a bounded wait on a stopped rank's reply said it was read"
+        t0 = time.monotonic()
+        with pytest.raises(RankBusy, match="'ping' in flight"):
+            rank.call("ping", timeout=0.5)
+        assert time.monotonic() - t0 < 1.5, "a caller behind a begun call outwaited its own deadline"
+        assert process_state(rank.pid) == "T", "a caller behind a begun call killed the rank"
+        with pytest.raises(RankFailure, match="no reply to ping"):
+            begun.result()
+        assert time.monotonic() - t0 < RANK_TIMEOUT_S + 2, "the begun call was not bounded by its deadline"
+        assert not rank.healthy
+    finally:
+        for r in dep.ranks:
+            if r.process.is_alive():
+                os.kill(r.pid, signal.SIGCONT)
+        dep.close()
 
 
 # ------------------------------------------------------------------------ a run stopped from outside
