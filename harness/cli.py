@@ -29,7 +29,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from harness.api import WeightSyncError
-from harness.devices import check_available, run_device, set_run_device
+from harness.devices import check_available, set_run_device
 from harness.registry import (
     BUILTIN_BACKENDS,
     BUILTIN_GPU_BACKENDS,
@@ -48,6 +47,7 @@ from harness.registry import (
     engine_path,
     resolve_backend,
 )
+from harness.suite_runs import SuiteArgs, finished_suite, run_suites, slug
 
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
@@ -62,184 +62,12 @@ def _suite_dir(name: str) -> Path:
 FULL_REPEATS = 3
 QUICK_SIZES_MIB, QUICK_REPEATS = [64], 3  # one repeat failed the gate under load: a median needs three
 
-#: The torchrun launch: it tests the launcher with BroadcastBackend, whatever is selected.
-BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
-#: Tests that bring their own ranks over gloo and use no selected backend (the resharded sync): run once,
-#: in the broadcast column, like the launcher tests.
-SELF_CONTAINED_TESTS = ("test_reshard.py",)
-
 
 def default_jobs() -> int:
     """certify's --jobs auto: pytest-xdist workers where there are cores for them, min(cores // 2, 8) from
     4 cores up (each worker's tests spawn rank processes of their own); 1 (serial, no xdist) below that."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(cores // 2, 8) if cores >= 4 else 1
-
-
-def run_conformance(
-    backend: str,
-    engine: str,
-    out: Path,
-    profile: str,
-    receivers: str,
-    suite: str = "conformance",
-    xfails_file: str | None = None,
-    jobs: int = 1,
-    quick: bool = False,
-) -> dict:
-    """Run a suite (conformance, or the fault matrix) against one backend in a fresh interpreter;
-    returns its results JSON. `xfails_file`: the backend's known failures (--weightsync-xfails-file).
-    `jobs` > 1: the tests that time nothing run on that many xdist workers, then those marked `serial`
-    (a deadline or a throughput against a bound) alone, in a second interpreter; one results JSON of both.
-    `quick`: --weightsync-quick (the tests marked not_quick are left out, and named in `quick_skipped`)."""
-    # the fault matrix's Docker tier and its soak run on their own
-    marks = ["not docker and not slow"] if suite == "faults" else []
-    parts = [("", marks, 0)]
-    if jobs > 1:
-        parts = [("-parallel", [*marks, "not serial"], jobs), ("-serial", [*marks, "serial"], 0)]
-    done = []
-    for tag, part_marks, workers in parts:
-        data = _run_suite_part(
-            backend, engine, out, profile, receivers, suite, xfails_file, quick, tag, part_marks, workers
-        )
-        done.append(data)
-        if data.get("error"):  # stopped or crashed: what ran is the evidence; the rest did not run
-            break
-    if jobs <= 1:
-        done[0]["jobs"] = 1
-        return done[0]
-    data = merged_parts(done)
-    data["jobs"] = jobs
-    if not data.get("error"):  # what --resume reuses: both parts, finished
-        (out / f"{suite}-{_slug(backend)}.json").write_text(json.dumps(data, indent=2, sort_keys=True))
-    return data
-
-
-def merged_parts(parts: list[dict]) -> dict:
-    """The results of a suite run in parts (parallel, then serial) as one: every test, complete only if
-    every part was, the worst exit status (5, no tests, only where no part ran any), the first error."""
-    data = dict(parts[0])
-    data["tests"] = {k: v for part in parts for k, v in part.get("tests", {}).items()}
-    data["complete"] = all(part.get("complete", True) for part in parts)
-    statuses = [part.get("exitstatus", 0) for part in parts]
-    worst = [s for s in statuses if s not in (0, 1, 5)]
-    data["exitstatus"] = worst[0] if worst else 1 if 1 in statuses else 5 if set(statuses) == {5} else 0
-    for key in ("error", "running", "in_flight"):
-        found = [part[key] for part in parts if part.get(key)]
-        data.pop(key, None)
-        if found:
-            data[key] = found[0]
-    if any("quick_skipped" in part for part in parts):
-        data["quick_skipped"] = sorted({n for part in parts for n in part.get("quick_skipped", [])})
-    return data
-
-
-def _run_suite_part(
-    backend, engine, out, profile, receivers, suite, xfails_file, quick, tag, marks, workers
-) -> dict:
-    """One pytest interpreter of a suite run (`workers` > 0: under xdist, -n workers); its results JSON."""
-    results = out / f"{suite}-{_slug(backend)}{tag}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        str(_suite_dir(suite)),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--weightsync-backend={backend}",
-        f"--weightsync-engine={engine}",
-        f"--weightsync-receivers={receivers}",
-        f"--weightsync-results={results}",
-        f"--weightsync-hypothesis-profile={profile}",
-        f"--junitxml={out / f'junit-{suite}-{_slug(backend)}{tag}.xml'}",
-    ]
-    if workers:
-        cmd += ["-n", str(workers)]
-    if quick:
-        cmd.append("--weightsync-quick")
-    if xfails_file:
-        cmd.append(f"--weightsync-xfails-file={Path(xfails_file).resolve()}")
-    if run_device() != "cpu":  # the rerun commands name it too
-        cmd.append(f"--weightsync-device={run_device()}")
-    if marks:
-        cmd += ["-m", " and ".join(f"({m})" for m in marks)]
-    if (
-        suite == "conformance" and backend != "broadcast"
-    ):  # these drive BroadcastBackend itself, whatever is selected: run them once
-        for test in BROADCAST_LAUNCHER_TESTS + SELF_CONTAINED_TESTS:
-            cmd += ["--deselect", f"suites/conformance/{test}"]  # node ids are relative to cwd (the rootdir)
-    env = dict(os.environ)
-    log = out / f"pytest-{suite}-{_slug(backend)}{tag}.log"
-    what = f"{suite}{tag}"
-    with (
-        console.status(
-            f"[bold]{what}[/] {backend}: running {shlex.join(cmd[3:5])}"
-            f"{f' on {workers} xdist workers' if workers else ''} ..."
-        ),
-        open(log, "w") as f,
-    ):
-        t0 = time.monotonic()
-        proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=_suite_dir("..").resolve()
-        )
-        try:
-            proc.wait()
-        except BaseException:  # certify stopped (SIGTERM, Ctrl-C): its suite is stopped the same way
-            _stop(proc)
-            raise
-    if not results.exists():
-        return {
-            "backend": backend,
-            "exitstatus": proc.returncode,
-            "tests": {},
-            "error": f"pytest produced no results (exit {proc.returncode}); see {log}",
-        }
-    data = json.loads(results.read_text())
-    if not data.get("complete", True):  # killed mid-run: the file holds what finished before
-        data["exitstatus"] = proc.returncode if proc.returncode not in (0, 5) else 3
-        data["error"] = (
-            f"pytest stopped (exit {proc.returncode}) during {data.get('running') or 'teardown'}; see {log}"
-        )
-        fail_the_stopped_test(data, proc.returncode, log)
-    statuses = [r.get("status") for r in data["tests"].values()]
-    console.print(
-        f"{what} {backend}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
-        f"{statuses.count('not_supported')} NOT_SUPPORTED in {time.monotonic() - t0:.0f}s"
-        f"{f' ({workers} xdist workers)' if workers else ''} (log: {log})"
-    )
-    return data
-
-
-def fail_the_stopped_test(data: dict, returncode: int, log: Path) -> None:
-    """A run stopped during a test (a hang its supervisor ended, a crash): that test failed. The plugin
-    records a SIGTERM itself ('hung: stopped after N s in <test>; rank ...'); a run that could not (SIGKILL,
-    a segfault) gets its record here. A run stopped outside any test names none: it stays undecided."""
-    from harness.procs import describe_exit
-
-    if not data.get("running"):
-        return
-    for nodeid in data.get("in_flight") or [data["running"]]:  # several under xdist (certify --jobs)
-        rec = data.setdefault("tests", {}).setdefault(nodeid, {})
-        if rec.get("status") != "failed":
-            where = "in its teardown" if rec.get("status") else "during it, with no result of its own"
-            rec["status"] = "failed"
-            rec["message"] = f"pytest stopped ({describe_exit(returncode)}) {where}; see {log}"
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM first, so the suite's plugin records the test it hung in (and the ranks' calls in
-    flight) as failed; SIGKILL if it has not ended after `grace_s`."""
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
 def throughput_engine(name: str) -> tuple[str, str]:
@@ -279,17 +107,22 @@ def certify(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"[red]usage error:[/] {exc}")
         return 2
-    results, faults, rows, missing = {}, {}, [], []
+    names = list(backends)
+    fault_names = [] if args.no_faults else names + (list(EXTRA_BACKENDS) if args.default_selection else [])
+    # the suites first, side by side (what --resume finds finished is reused), the throughput rows alone after
+    results = {n: d for n in names if (d := finished_suite(out, "conformance", n, console))}
+    faults = {n: d for n in fault_names if (d := finished_suite(out, "faults", n, console))}
+    ran = run_suites(
+        [n for n in names if n not in results],
+        [n for n in fault_names if n not in faults],
+        SuiteArgs(args.engine, out, args.profile, args.receivers, args.xfails_file, args.quick),
+        args.jobs,
+        console,
+    )
+    results = {n: results.get(n) or ran[0][n] for n in names}
+    faults = {n: faults.get(n) or ran[1][n] for n in fault_names}
+    rows, missing = [], []
     for name, backend in backends.items():
-        suite_args = (name, args.engine, out, args.profile, args.receivers)
-        each = {"jobs": args.jobs, "quick": args.quick}
-        results[name] = finished_suite(out, "conformance", name) or run_conformance(
-            *suite_args, xfails_file=args.xfails_file, **each
-        )
-        if not args.no_faults:
-            faults[name] = finished_suite(out, "faults", name) or run_conformance(
-                *suite_args, "faults", args.xfails_file, **each
-            )
         if not args.no_bench and (done := finished_rows(out, name)) is not None:
             rows += done
         elif not args.no_bench:
@@ -317,18 +150,6 @@ def certify(args: argparse.Namespace) -> int:
                         row.backend = name  # the rerun line names the factory, not the display name
                     rows += measured
                     keep_rows(out, name, measured)
-    if not args.no_faults and args.default_selection:  # the control plane: a column of the fault matrix only
-        for name in EXTRA_BACKENDS:
-            faults[name] = finished_suite(out, "faults", name) or run_conformance(
-                name,
-                args.engine,
-                out,
-                args.profile,
-                args.receivers,
-                suite="faults",
-                jobs=args.jobs,
-                quick=args.quick,
-            )
     report = write_report(
         out,
         results,
@@ -428,27 +249,10 @@ def open_bundle(args: argparse.Namespace, command: str) -> tuple[Path, str]:
     return out, " ; then ".join(began["commands"])
 
 
-def finished_suite(out: Path, suite: str, backend: str) -> dict | None:
-    """A suite's results that an earlier run in this bundle wrote to the end (pytest finished: `complete`),
-    reused as they are; None where there are none or the run was stopped in it (that suite runs again)."""
-    results = out / f"{suite}-{_slug(backend)}.json"
-    if not results.exists():
-        return None
-    data = json.loads(results.read_text())
-    if not data.get("complete"):
-        return None
-    statuses = [r.get("status") for r in data["tests"].values()]
-    console.print(
-        f"{suite} {backend}: reused from this bundle's earlier run ({results.name}: "
-        f"{statuses.count('passed')} passed, {statuses.count('failed')} failed)"
-    )
-    return data
-
-
 def keep_rows(out: Path, backend: str, rows: list) -> None:
     """The throughput rows measured so far, kept in the bundle so a resumed run need not measure them again."""
     mine = [r.to_json() for r in rows]
-    (out / f"throughput-{_slug(backend)}.json").write_text(json.dumps(mine, indent=2))
+    (out / f"throughput-{slug(backend)}.json").write_text(json.dumps(mine, indent=2))
 
 
 def finished_rows(out: Path, backend: str) -> list | None:
@@ -457,7 +261,7 @@ def finished_rows(out: Path, backend: str) -> list | None:
 
     from harness.bench import SyncRow
 
-    kept = out / f"throughput-{_slug(backend)}.json"
+    kept = out / f"throughput-{slug(backend)}.json"
     if not kept.exists():
         return None
     names = {f.name for f in dataclasses.fields(SyncRow)}

@@ -13,6 +13,8 @@ overruns ends the work as a failure that names the phase, the rank calls in flig
 A phase that restarts a rank (push recovers a rank that died) does not pay the restart from its own
 budget: the phase's clock stops while the restart runs (`paused`), and the restart is bounded by a
 budget of its own, which the deployment derives from how long its ranks took to start (measured).
+A phase on a loaded host gets the time its threads waited for a CPU on top of its budget, measured
+(`harness.host_load`), at most MAX_EXTENSION times the budget; the overrun says how much it got.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+
+from harness.host_load import MAX_EXTENSION, SAMPLE_S, RunQueueMeter, watched_threads
 
 #: What a phase may cost beyond the sync's own timeout: starting rank processes (at the first deploy of a
 #: process, booting the warm fork server: torch imported once, 10 s beside 4 busy loops on 2 cores),
@@ -66,12 +70,20 @@ class Overrun:
     stacks: str  # the watched thread's stack when the budget ran out
     cleanup_done: bool = True
     during: str = ""  # what paused the phase's clock and overran its own budget ('' : the phase itself)
+    waited_s: float = 0.0  # what its threads waited for a CPU (the host's load): added to the budget
 
     def describe(self) -> str:
         calls = self.calls or "no rank call in flight"
         tail = "" if self.cleanup_done else "; its cleanup did not end either (abandoned)"
         what = f"phase {self.phase!r}" + (f": {self.during}" if self.during else "") + " overran"
-        return f"{what} its {self.budget_s:g} s budget (stopped at {self.elapsed_s:.1f} s); {calls}{tail}"
+        load = (
+            f" + {self.waited_s:.1f} s its threads waited for a CPU (capped at {MAX_EXTENSION:g}x)"
+            if self.waited_s >= 0.05
+            else ""
+        )
+        return (
+            f"{what} its {self.budget_s:g} s budget{load} (stopped at {self.elapsed_s:.1f} s); {calls}{tail}"
+        )
 
 
 def phase_budget(phase: str, timeout_s: float) -> float:
@@ -156,20 +168,34 @@ class PhaseWatch:
 
         worker = threading.Thread(target=target, name="phase-watch", daemon=True)
         worker.start()
+        meter = RunQueueMeter(watched_threads(worker))
+        clock = None  # the phase or pause the meter counts for
         with self._cond:
             while not self._done:
                 name, since, budget = self._phase
                 during = ""
                 if self._pause is not None:  # the phase's clock stands; the pause's own runs
                     during, since, budget = self._pause
-                left = since + budget - time.monotonic()
+                if clock != (name, during):
+                    clock = (name, during)
+                    meter.reset()
+                else:
+                    meter.sample()
+                waited = min(meter.waited_s(), MAX_EXTENSION * budget)
+                left = since + budget + waited - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, SAMPLE_S))
             if self._done:
                 return self.overrun
             self.overrun = Overrun(
-                name, budget, time.monotonic() - since, _calls_in_flight(), _stack_of(worker), during=during
+                name,
+                budget,
+                time.monotonic() - since,
+                _calls_in_flight(),
+                _stack_of(worker),
+                during=during,
+                waited_s=waited,
             )
         if self.on_overrun is not None:
             self.on_overrun()

@@ -304,6 +304,11 @@ def describe_calls_in_flight(min_seconds: float = 0.0, dump_stacks: bool = False
     return "; ".join(parts)
 
 
+def live_rank_pids() -> list[int]:
+    """The pids of this process's live ranks that have a call in flight (those doing a phase's work)."""
+    return [r.pid for r in list(_LIVE_RANKS) if r._in_flight is not None and r.process.is_alive()]
+
+
 def kill_live_ranks(grace_s: float = 0.0) -> None:
     """Kill every live rank of this process, `grace_s` after the first call (a process that is being
     stopped: its ranks finish their stack dumps, then do not outlive it)."""

@@ -419,9 +419,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the count of serial tests is of the whole selection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--weightsync-quick") and config.stash.get(_ACTIVE, False):
         _leave_out_for_quick(config, items)
+    # certify runs a suite's serial tests in an interpreter of their own: only where there are any
+    config.stash[_SERIAL] = sum(1 for item in items if item.get_closest_marker("serial"))
+    if in_worker(config):
+        config.workeroutput["weightsync_serial"] = config.stash[_SERIAL]
     path = config.getoption("--weightsync-xfails-file")
     if not path or not config.stash.get(_ACTIVE, False):
         return
@@ -436,6 +441,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _QUICK_SKIPPED = pytest.StashKey[list]()  # node ids --weightsync-quick left out
+_BACKEND_OF = pytest.StashKey[dict]()  # node id -> backend, for the tests --weightsync-quick left out
+_COLLECTED = pytest.StashKey[int]()  # how many tests the run will run (after deselection)
+_SERIAL = pytest.StashKey[int]()  # how many tests marked serial the selection holds, before -m
+
+
+def backend_of_item(item: pytest.Item) -> str | None:
+    """The backend a test exercises: its ws_target's, or its fault cell's; None for a test that brings its
+    own (the torchrun launcher, the resharded sync). certify splits a run of several backends by it."""
+    params = getattr(item, "callspec", None) and item.callspec.params or {}
+    for key in ("ws_target", "fault_cell", "drawn_cell"):
+        if key in params:
+            return params[key][0]
+    return None
 
 
 def _leave_out_for_quick(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -456,8 +474,20 @@ def _leave_out_for_quick(config: pytest.Config, items: list[pytest.Item]) -> Non
     items[:] = [item for item in items if quick(item)]
     config.hook.pytest_deselected(items=left)
     config.stash[_QUICK_SKIPPED] = [item.nodeid for item in left]
+    config.stash[_BACKEND_OF] = {item.nodeid: b for item in left if (b := backend_of_item(item))}
     if in_worker(config):
         config.workeroutput["weightsync_quick_skipped"] = config.stash[_QUICK_SKIPPED]
+        config.workeroutput["weightsync_quick_skipped_backends"] = config.stash[_BACKEND_OF]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[_COLLECTED] = len(session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """Under xdist the controller collects nothing itself: each worker tells it what it collected."""
+    node.config.stash[_COLLECTED] = len(ids)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -675,6 +705,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         elif status == "skipped" and MISSING_DEPENDENCY in reason:
             status = "missing_dependency"
         rec.update(status=status, duration_s=round(report.duration, 3))
+        if (backend := backend_of_item(item)) is not None:
+            rec["backend"] = backend
         if status == "missing_dependency":
             rec["message"] = reason[-2000:]
         if status == "xfailed":
@@ -778,9 +810,13 @@ class ParallelRecorder:
 
     def pytest_testnodedown(self, node, error) -> None:
         # every worker collects the same items, so each leaves out the same ones: the first one's list
-        skipped = getattr(node, "workeroutput", {}).get("weightsync_quick_skipped")
+        output = getattr(node, "workeroutput", {})
+        if "weightsync_serial" in output:
+            self.config.stash[_SERIAL] = output["weightsync_serial"]
+        skipped = output.get("weightsync_quick_skipped")
         if skipped and not self.config.stash.get(_QUICK_SKIPPED, None):
             self.config.stash[_QUICK_SKIPPED] = list(skipped)
+            self.config.stash[_BACKEND_OF] = dict(output.get("weightsync_quick_skipped_backends", {}))
 
 
 #: What a test may spend beyond twice its backend's longest declared timeout: deployments, many syncs.
@@ -951,6 +987,11 @@ def _write_results(config: pytest.Config, exitstatus: int | None = None) -> None
     }
     if config.getoption("--weightsync-quick", default=False):
         data["quick_skipped"] = config.stash.get(_QUICK_SKIPPED, [])
+        data["quick_skipped_backends"] = config.stash.get(_BACKEND_OF, {})
+    if _COLLECTED in config.stash:
+        data["collected"] = config.stash[_COLLECTED]
+    if _SERIAL in config.stash:
+        data["serial_tests"] = config.stash[_SERIAL]
     if exitstatus is not None:
         data["exitstatus"] = exitstatus
     running = list(config.stash.get(_RUNNING, {}))

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -151,3 +152,51 @@ def test_a_restart_stops_the_phase_clock_and_has_a_budget_of_its_own(monkeypatch
     )
     with deadline.paused("restarting rank 2", 0.1) as watched:  # no watched phase in this thread
         assert not watched
+
+
+def _cpu_work(seconds: float) -> None:
+    """`seconds` of this thread's own CPU time, however long the host makes that take."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_phase_starved_of_cpu_gets_the_wait_and_a_hang_still_meets_its_deadline(monkeypatch, busy_host):
+    """A phase whose work needs 1 s of CPU, budget 1.5 s, beside 2 x nproc busy loops: its thread gets a
+    fraction of a core, so the work takes several seconds of wall time, most of it waiting for a CPU. The
+    phase gets that wait on top of its budget (measured from /proc, not guessed) and passes; a phase
+    that blocks (a hang: no CPU wanted) still overruns at its budget, busy host or not; a phase that spins
+    forever still overruns, at its budget plus at most MAX_EXTENSION times it."""
+    monkeypatch.setattr(deadline, "PHASE_SLACK_S", 1.5)
+
+    def working(watch):
+        watch.phase("push")
+        _cpu_work(1.0)
+
+    t0 = time.monotonic()
+    overrun = PhaseWatch(timeout_s=0.0).run(working)
+    took = time.monotonic() - t0
+    assert overrun is None, f"a phase slowed only by the host's load overran: {overrun.describe()}"
+    assert took > 1.5, f"the busy loops did not slow the work ({took:.1f} s): the test shows nothing"
+
+    ended = threading.Event()  # set by the watch when the phase overran: the work then returns
+
+    def hanging(watch):
+        watch.phase("push")
+        ended.wait(30)
+
+    overrun = PhaseWatch(timeout_s=0.0, on_overrun=ended.set).run(hanging)
+    assert overrun is not None and overrun.phase == "push", "a blocked phase did not overrun"
+    assert overrun.elapsed_s < 1.5 + 1.0, f"a blocked phase was given the host's load: {overrun.describe()}"
+
+    spun = threading.Event()
+
+    def spinning(watch):
+        watch.phase("push")
+        while not spun.is_set():
+            _cpu_work(0.05)
+
+    overrun = PhaseWatch(timeout_s=0.0, on_overrun=spun.set).run(spinning)
+    assert overrun is not None, "a phase spinning for 60 s of CPU never overran"
+    assert overrun.elapsed_s <= 1.5 * (1 + deadline.MAX_EXTENSION) + 1.0, overrun.describe()
+    assert "waited for a CPU" in overrun.describe(), overrun.describe()

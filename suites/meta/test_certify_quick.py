@@ -162,7 +162,7 @@ def test_the_full_run_is_the_quick_command_less_quick():
 
 
 def test_a_suite_run_in_two_parts_reads_as_one():
-    from harness.cli import merged_parts
+    from harness.suite_runs import merged_parts
 
     parallel = {
         "complete": True,
@@ -187,3 +187,52 @@ def test_a_suite_run_in_two_parts_reads_as_one():
     assert (
         not two["complete"] and two["exitstatus"] == 3 and two["error"] == "stopped" and two["running"] == "b"
     )
+
+
+def test_a_run_of_several_backends_splits_into_each_backends_own():
+    """certify runs every backend's suite in one interpreter; the report reads one results dict per backend,
+    as a run of that backend alone writes it."""
+    from harness.suite_runs import split_by_backend
+
+    run = {
+        "complete": True,
+        "exitstatus": 1,
+        "receivers": {"delta": [2], "delta-ipc": [2], "broadcast": [2]},
+        "capabilities": {"delta": {"ipc": False}, "delta-ipc": {"ipc": True}, "broadcast": {}},
+        "tests": {
+            "t.py::a[delta-2rx]": {"status": "passed", "backend": "delta"},
+            "t.py::a[delta-ipc-2rx]": {"status": "failed", "backend": "delta-ipc"},
+            "t.py::launcher": {"status": "passed"},  # no backend of its own: the broadcast column's
+        },
+        "quick_skipped": ["t.py::b[delta-ipc-3rx]", "t.py::b[delta-3rx]"],
+        "quick_skipped_backends": {"t.py::b[delta-ipc-3rx]": "delta-ipc", "t.py::b[delta-3rx]": "delta"},
+    }
+    split = split_by_backend(run, ["delta", "delta-ipc", "broadcast"])
+    assert {b: sorted(d["tests"]) for b, d in split.items()} == {
+        "delta": ["t.py::a[delta-2rx]"],
+        "delta-ipc": ["t.py::a[delta-ipc-2rx]"],
+        "broadcast": ["t.py::launcher"],
+    }, split
+    assert {b: d["exitstatus"] for b, d in split.items()} == {"delta": 0, "delta-ipc": 1, "broadcast": 0}
+    assert split["delta"]["quick_skipped"] == ["t.py::b[delta-3rx]"], split["delta"]
+    assert split["delta-ipc"]["capabilities"] == {"delta-ipc": {"ipc": True}}, split["delta-ipc"]
+    assert all(d["backend"] == b and d["complete"] for b, d in split.items())
+    stopped = {
+        **run,
+        "complete": False,
+        "exitstatus": 3,
+        "error": "stopped",
+        "in_flight": ["t.py::a[delta-2rx]"],
+    }
+    halves = split_by_backend(stopped, ["delta", "delta-ipc", "broadcast"])
+    assert halves["delta"]["running"] == "t.py::a[delta-2rx]" and "running" not in halves["delta-ipc"], halves
+    assert all(d["error"] == "stopped" and not d["complete"] for d in halves.values()), halves
+
+
+def test_no_fault_cell_is_marked_serial():
+    """certify runs the fault matrix beside the conformance suite and has no serial part for it: a fault test
+    that times something against a bound (marked serial) would be judged under that load."""
+    cmd = [sys.executable, "-m", "pytest", "suites/faults", "--collect-only", "-q", "-m", "serial"]
+    cmd += ["-p", "no:cacheprovider", "--weightsync-backend=disk"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 5, f"tests in suites/faults are marked serial:\n{proc.stdout[-2000:]}"

@@ -20,10 +20,10 @@ import pytest
 
 from harness.api import GenerationRequest, RankFailure
 from harness.backends.ipc import IpcBackend
-from harness.cli import fail_the_stopped_test
 from harness.launch import RPC_SLACK, FifoLock, RankBusy, calls_in_flight, describe_calls_in_flight
 from harness.procs import process_state
 from harness.report import EXIT_STATUS, FAIL, UNDECIDED, decide
+from harness.suite_runs import fail_the_stopped_test
 
 pytestmark = pytest.mark.meta
 

@@ -1,0 +1,96 @@
+"""How long the host kept the watched work waiting for a CPU: a phase's deadline extends by it.
+
+A phase budget is set for the work on a machine that runs it; on a host loaded by other jobs the same
+work takes longer only because its threads wait in the run queue. The kernel knows that wait
+(/proc/<pid>/schedstat's run delay) only where delay accounting is on, which it rarely is; so the
+meter samples what every Linux has: each watched thread's state and CPU time (/proc/<pid>/task/<tid>/stat).
+Over an interval in which a thread was runnable (state R) at both samples, the time it did not spend on
+a CPU is time it waited for one. A thread that is blocked (a pipe, a lock, a stopped peer) is not
+runnable and accrues nothing: a hang still meets its deadline; a thread that spins forever on a loaded
+host accrues wait, and the extension is capped (`MAX_EXTENSION`), so it meets a later one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+#: The extension a phase can get, as a multiple of its budget: a spinning hang on a loaded host still ends.
+MAX_EXTENSION = 3.0
+#: How often the phase watch samples (its clock thread wakes this often while a phase runs).
+SAMPLE_S = 0.1
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _thread_stat(pid: int, tid: int) -> tuple[str, float] | None:
+    """(state, CPU seconds) of one thread, or None where it is gone or /proc has no such file."""
+    try:
+        text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3 of the man page
+    return fields[0], (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14, 15)
+
+
+def _tasks(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+class RunQueueMeter:
+    """Per watched thread, the seconds it was runnable but not running since `reset()`; `waited_s()` is the
+    largest (the threads work side by side: the slowest one's wait is what the phase lost).
+    `threads()` names the (pid, tid) pairs to watch, re-read at every sample (ranks come and go)."""
+
+    def __init__(self, threads):
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._last: dict[tuple[int, int], tuple[float, str, float]] = {}
+        self._waited: dict[tuple[int, int], float] = {}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._waited = {}
+        self.sample()
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        seen = {}
+        for key in self.threads():
+            stat = _thread_stat(*key)
+            if stat is None:
+                continue
+            seen[key] = (now, *stat)
+        with self._lock:
+            for key, (t, state, cpu) in seen.items():
+                before = self._last.get(key)
+                if before is not None and before[1] == "R" and state == "R":
+                    lost = (t - before[0]) - (cpu - before[2])
+                    if lost > 2 * _TICK_S:  # CPU time counts in ticks: less is noise
+                        self._waited[key] = self._waited.get(key, 0.0) + lost
+            self._last = seen
+
+    def waited_s(self) -> float:
+        with self._lock:
+            return max(self._waited.values(), default=0.0)
+
+
+def watched_threads(worker: threading.Thread):
+    """The threads a phase's work runs on: the watched worker thread of this process, and every thread of
+    every live rank process (harness.launch's, where it is imported)."""
+    me = os.getpid()
+
+    def threads() -> list[tuple[int, int]]:
+        keys = [(me, worker.native_id)] if worker.native_id is not None else []
+        launch = sys.modules.get("harness.launch")
+        if launch is not None:
+            for pid in launch.live_rank_pids():
+                keys += [(pid, tid) for tid in _tasks(pid)]
+        return keys
+
+    return threads
