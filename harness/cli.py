@@ -128,6 +128,7 @@ def certify(args: argparse.Namespace) -> int:
         elif not args.no_bench:
             limit = engine_caps.max_receivers if bench_engine_name == args.engine else 2
             rx = 2 if backend.capabilities.multi_receiver and limit >= 2 else 1
+            t0 = time.monotonic()
             with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ...") as status:
                 try:
                     measured = measure_sync(
@@ -150,6 +151,11 @@ def certify(args: argparse.Namespace) -> int:
                         row.backend = name  # the rerun line names the factory, not the display name
                     rows += measured
                     keep_rows(out, name, measured)
+                    console.print(
+                        f"throughput {name}: {len(measured)} rows ({rx} receiver(s)) in "
+                        f"{time.monotonic() - t0:.0f}s",
+                        highlight=False,
+                    )
     report = write_report(
         out,
         results,

@@ -18,6 +18,7 @@
 #     rest         the tail's last two steps alone (what the second call did not reach)
 #     bench        weightsync bench at 64 MiB, 1 GiB, 4 GiB, one receiver: checkpoint-engine with
 #                  WEIGHTSYNC_CE_AUTO_PG=1 (its default: a process group per update) and 0, and ipc
+#                  (CE_BENCH_PG names the modes to measure: "1 0" unless set)
 #     certify      weightsync certify --backend weightsync_checkpoint_engine:make_backend --device cuda
 #                  (stopped at CE_CERTIFY_LIMIT_S, default 540 s; a later call finishes it with
 #                  CE_CERTIFY_BUNDLE=<the bundle from this call's tarball, carried>: certify --resume)
@@ -95,7 +96,7 @@ for s in $steps; do case $s in
       --weightsync-backend=$B --weightsync-results="$run/tail-conformance.json" ;;
   certify) step certify "${CE_CERTIFY_LIMIT_S:-540}" python3 -m harness.cli certify --device cuda --backend $B \
       --sizes-mib 64 256 --out "$run" ${CE_CERTIFY_BUNDLE:+--resume "$CE_CERTIFY_BUNDLE"} ;;
-  bench) for pg in 1 0; do  # where a push's fixed half second goes: a process group per update, or one kept
+  bench) for pg in ${CE_BENCH_PG:-1 0}; do  # where a push's fixed half second goes: a process group per update, or one kept
       WEIGHTSYNC_CE_AUTO_PG=$pg step "bench-auto-pg-$pg" 150 python3 -m harness.cli bench --device cuda \
         --backend $B --sizes-mib 64 1024 4096 --receivers 1 --repeats 3 --out "$run/bench-auto-pg-$pg"
     done
