@@ -304,6 +304,11 @@ def describe_calls_in_flight(min_seconds: float = 0.0, dump_stacks: bool = False
     return "; ".join(parts)
 
 
+def live_rank_count() -> int:
+    """How many rank processes of this process are alive (the memory a run holds: about 150 MB each)."""
+    return sum(1 for r in list(_LIVE_RANKS) if r.process.is_alive())
+
+
 def live_rank_pids() -> list[int]:
     """The pids of this process's live ranks that have a call in flight (those doing a phase's work)."""
     return [r.pid for r in list(_LIVE_RANKS) if r._in_flight is not None and r.process.is_alive()]

@@ -117,6 +117,12 @@ class Selection:
         return out
 
 
+#: How many deployments a session keeps alive at once (each holds its receivers' rank processes, about
+#: 150 MB each): the least recently used is closed when another is built. The tests are ordered so that
+#: those of one (backend, receiver count) run together (`_group_by_target`), so each is built about once.
+MAX_LIVE_DEPLOYMENTS = 4
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("weightsync", "weightsync: what is under test")
     group.addoption(
@@ -217,6 +223,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("WEIGHTSYNC_XFAILS_FILE"),
         help="a file of known failures of the code under test, one test id per line with '# reason': each "
         "becomes a strict xfail, so a fix shows as an XPASS that fails the run (harness.known_failures)",
+    )
+    group.addoption(
+        "--weightsync-max-deployments",
+        type=int,
+        default=MAX_LIVE_DEPLOYMENTS,
+        help="how many deployments (each with its receivers' rank processes) the suites keep alive at once; "
+        "the least recently used is closed first (default %(default)s)",
     )
     group.addoption(
         "--weightsync-quick",
@@ -423,6 +436,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--weightsync-quick") and config.stash.get(_ACTIVE, False):
         _leave_out_for_quick(config, items)
+    if config.stash.get(_ACTIVE, False):
+        _group_by_target(items)
     # certify runs a suite's serial tests in an interpreter of their own: only where there are any
     config.stash[_SERIAL] = sum(1 for item in items if item.get_closest_marker("serial"))
     if in_worker(config):
@@ -444,6 +459,7 @@ _QUICK_SKIPPED = pytest.StashKey[list]()  # node ids --weightsync-quick left out
 _BACKEND_OF = pytest.StashKey[dict]()  # node id -> backend, for the tests --weightsync-quick left out
 _COLLECTED = pytest.StashKey[int]()  # how many tests the run will run (after deselection)
 _SERIAL = pytest.StashKey[int]()  # how many tests marked serial the selection holds, before -m
+_PEAK_RANKS = pytest.StashKey[int]()  # the most rank processes alive at once, seen at the end of a test call
 
 
 def backend_of_item(item: pytest.Item) -> str | None:
@@ -478,6 +494,23 @@ def _leave_out_for_quick(config: pytest.Config, items: list[pytest.Item]) -> Non
     if in_worker(config):
         config.workeroutput["weightsync_quick_skipped"] = config.stash[_QUICK_SKIPPED]
         config.workeroutput["weightsync_quick_skipped_backends"] = config.stash[_BACKEND_OF]
+
+
+def _group_by_target(items: list[pytest.Item]) -> None:
+    """The tests of one (backend, receiver count) next to each other, in the order the targets first
+    appear, each group in collection order; those of no target first. The deployment pool then builds each
+    target's deployments once and closes them when the run moves on (MAX_LIVE_DEPLOYMENTS)."""
+    order: dict = {}
+    for item in items:
+        target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
+        if target:
+            order.setdefault(tuple(target), len(order))
+
+    def key(item: pytest.Item) -> int:
+        target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
+        return order[tuple(target)] if target else -1
+
+    items.sort(key=key)  # stable: each group keeps the collection order
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -536,15 +569,18 @@ DEPLOY_TEST = "suites/conformance/test_deploy.py::test_deploys_with_what_it_clai
 
 
 class DeploymentPool:
-    """One deployment per (backend, receiver count), built on first use and shared by the session.
-    A deployment that fails to build is tried once: its error is kept, and every later request for
-    it raises DeployFailed at once (one test names the defect; the others need not wait for it)."""
+    """One deployment per (backend, receiver count), built on first use and shared by the tests that ask
+    for it; at most `max_live` alive at once (the least recently used is closed first, and built again if
+    asked for again). A deployment that fails to build is tried once: its error is kept, and every later
+    request for it raises DeployFailed at once (one test names the defect; the others need not wait)."""
 
-    def __init__(self, sel: Selection, workdir: Path):
+    def __init__(self, sel: Selection, workdir: Path, max_live: int = MAX_LIVE_DEPLOYMENTS):
         self.sel = sel
         self.workdir = workdir
-        self._deployments: dict[tuple[str, int], Deployment] = {}
+        self.max_live = max_live
+        self._deployments: dict[tuple, Deployment] = {}  # least recently used first
         self._failed: dict[tuple, str] = {}
+        self.built = 0  # deployments built, rebuilt ones included (a meta test reads it)
 
     def workdir_of(
         self, name: str, n: int, bucket_bytes: int | None = None, engine: str | None = None
@@ -564,7 +600,12 @@ class DeploymentPool:
         key = (name, n, bucket_bytes, engine)
         if key in self._failed:
             raise DeployFailed(self._failed[key])
-        if key not in self._deployments:
+        if key in self._deployments:
+            self._deployments[key] = self._deployments.pop(key)  # the most recently used, last
+        else:
+            while len(self._deployments) >= self.max_live:
+                oldest = next(iter(self._deployments))
+                self._deployments.pop(oldest).close()
             wd = self.workdir_of(name, n, bucket_bytes, engine)
             wd.mkdir(parents=True, exist_ok=True)
             extra = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}  # only backends claiming `buckets`
@@ -580,6 +621,7 @@ class DeploymentPool:
                     f"{type(exc).__name__}: {str(exc)[:600]}"
                 )
                 raise DeployFailed(self._failed[key]) from exc
+            self.built += 1
         return self._deployments[key]
 
     def failure(self, name: str, n: int, bucket_bytes: int | None = None) -> str | None:
@@ -615,9 +657,11 @@ def weightsync_n_receivers(ws_target) -> int:
 
 
 @pytest.fixture(scope="session")
-def weightsync_deployment_pool(weightsync_selection: Selection):
+def weightsync_deployment_pool(weightsync_selection: Selection, pytestconfig: pytest.Config):
     with tempfile.TemporaryDirectory(prefix="weightsync-") as d:
-        pool = DeploymentPool(weightsync_selection, Path(d))
+        pool = DeploymentPool(
+            weightsync_selection, Path(d), pytestconfig.getoption("--weightsync-max-deployments")
+        )
         yield pool
         pool.close()
 
@@ -689,6 +733,13 @@ def weightsync_example_counter(request: pytest.FixtureRequest):
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
+    if report.when == "call":
+        launch = sys.modules.get("harness.launch")
+        if launch is not None:  # with the test's own ranks and the pool's, before any is closed
+            live = launch.live_rank_count()
+            item.config.stash[_PEAK_RANKS] = max(item.config.stash.get(_PEAK_RANKS, 0), live)
+            if in_worker(item.config):
+                item.config.workeroutput["weightsync_peak_ranks"] = item.config.stash[_PEAK_RANKS]
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         status = report.outcome
         reason = ""
@@ -742,8 +793,14 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """With -rs / -ra (pytest's own list of skip reasons leaves them out): one line per distinct
-    NOT_SUPPORTED reason and how many tests it covers."""
+    """The most rank processes alive at once (the run's memory: about 150 MB each); with -rs / -ra
+    (pytest's own list of skip reasons leaves them out): one line per distinct NOT_SUPPORTED reason and how
+    many tests it covers."""
+    if config.stash.get(_PEAK_RANKS, 0):
+        terminalreporter.write_line(
+            f"weightsync: at most {config.stash[_PEAK_RANKS]} rank processes were alive at once "
+            f"(--weightsync-max-deployments {config.getoption('--weightsync-max-deployments')})"
+        )
     reports = terminalreporter.stats.get("not_supported", [])
     if not reports or not set(config.option.reportchars or "") & set("saA"):
         return
@@ -813,6 +870,9 @@ class ParallelRecorder:
         output = getattr(node, "workeroutput", {})
         if "weightsync_serial" in output:
             self.config.stash[_SERIAL] = output["weightsync_serial"]
+        if "weightsync_peak_ranks" in output:  # the workers run side by side: their peaks add up, at most
+            peak = self.config.stash.get(_PEAK_RANKS, 0) + output["weightsync_peak_ranks"]
+            self.config.stash[_PEAK_RANKS] = peak
         skipped = output.get("weightsync_quick_skipped")
         if skipped and not self.config.stash.get(_QUICK_SKIPPED, None):
             self.config.stash[_QUICK_SKIPPED] = list(skipped)
@@ -992,6 +1052,8 @@ def _write_results(config: pytest.Config, exitstatus: int | None = None) -> None
         data["collected"] = config.stash[_COLLECTED]
     if _SERIAL in config.stash:
         data["serial_tests"] = config.stash[_SERIAL]
+    if _PEAK_RANKS in config.stash:
+        data["peak_live_ranks"] = config.stash[_PEAK_RANKS]
     if exitstatus is not None:
         data["exitstatus"] = exitstatus
     running = list(config.stash.get(_RUNNING, {}))

@@ -1,0 +1,84 @@
+"""Run a command and report the most memory its whole process tree held at once.
+
+    python .ci/peak_memory.py [--limit-gib 8] -- python -m pytest ...
+
+Every second it sums, over the command and all its descendants (rank processes are forks of a fork
+server the run starts: descendants too), the proportional set size (PSS: a page shared by k processes
+counts 1/k to each, so forks of one server are not counted k times) and the resident set size (RSS, which
+counts shared pages in every process). Prints the peaks and how many processes were alive at the PSS peak;
+exits with the command's status, or 1 where the peak PSS passed --limit-gib."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
+        tree.setdefault(ppid, []).append(int(name))
+    return tree
+
+
+def _tree(root: int) -> list[int]:
+    tree, out, todo = _children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += tree.get(pid, [])
+    return out
+
+
+def _kib(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit-gib", type=float, default=None, help="fail where the peak PSS passes this")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    proc = subprocess.Popen(command)
+    peak_pss = peak_rss = procs_at_peak = most_procs = 0
+    while proc.poll() is None:
+        pids = _tree(proc.pid)
+        pss = sum(_kib(p, "Pss:") for p in pids)
+        rss = sum(_kib(p, "Rss:") for p in pids)
+        if pss > peak_pss:
+            peak_pss, procs_at_peak = pss, len(pids)
+        peak_rss, most_procs = max(peak_rss, rss), max(most_procs, len(pids))
+        time.sleep(1.0)
+    gib = 1 << 20
+    print(
+        f"peak memory of the tree: PSS {peak_pss / gib:.2f} GiB ({procs_at_peak} processes alive then), "
+        f"RSS sum {peak_rss / gib:.2f} GiB, at most {most_procs} processes",
+        flush=True,
+    )
+    if args.limit_gib is not None and peak_pss / gib > args.limit_gib:
+        print(f"peak PSS {peak_pss / gib:.2f} GiB is over the limit of {args.limit_gib:g} GiB", flush=True)
+        return proc.returncode or 1
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
