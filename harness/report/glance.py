@@ -79,7 +79,7 @@ def shown_lines(results: dict, faults: dict, rows: list) -> list[str]:
         ok = sum(r.passed for r in gated)
         failed = len(gated) - ok
         lines.append(
-            f"throughput: {len(gated)} rows on {len({r.path for r in gated})} path(s): {ok} within their "
+            f"throughput: {len(gated)} row(s) on {len({r.path for r in gated})} path(s): {ok} within their "
             f"floors{f', {failed} failed' if failed else ''}"
         )
     return lines
