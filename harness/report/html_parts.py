@@ -19,7 +19,7 @@ th{background:#f3f3f3} td.num{text-align:right;font-variant-numeric:tabular-nums
 code,pre{background:#f6f6f6;font:12px ui-monospace,monospace} pre{padding:.6em;overflow-x:auto;white-space:pre-wrap}
 img{max-width:100%;border:1px solid #eee}
 .scroll{overflow-x:auto;max-width:100%} .first{border:1px solid #ddd;border-radius:6px;padding:.2em 1em;margin:.6em 0}
-.first h3{margin:.6em 0 .2em} nav a{margin-right:.8em} .meta{color:#555}
+.first h3{margin:.6em 0 .2em} pre.rerun{margin:.25em 0;padding:.35em .6em} nav a{margin-right:.8em} .meta{color:#555}
 """
 
 

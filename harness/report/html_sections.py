@@ -44,7 +44,7 @@ def first_screen(g: Glance, data: dict) -> list[str]:
     if g.reruns:
         more = f" (the first {len(g.reruns)}; all: {link('reruns')})" if g.more_reruns else ""
         parts.append(f"<h3>Rerun each failure alone, from the repository root{more}</h3>")
-        parts.append("<pre>" + "\n".join(e(c) for c in g.reruns) + "</pre>")
+        parts += [f'<pre class="rerun">{e(c)}</pre>' for c in g.reruns]
     if g.next_steps:
         parts.append("<h3>Next</h3><ul>")
         parts += [f"<li>{e(what)}: <code>{e(cmd)}</code></li>" for what, cmd in g.next_steps]
