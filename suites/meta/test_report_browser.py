@@ -82,20 +82,63 @@ def page_of(request, browser, written):
     page.close()
 
 
+#: The page's widths at its viewport, and the elements of <main> that reach past its right edge (a table or a
+#: <pre> scrolls inside its own box, so neither counts).
+OVERFLOW_JS = """() => { const m = document.querySelector('main');
+    const wide = [...m.querySelectorAll('*')].filter(el => !el.closest('.scroll, pre'))
+      .filter(el => el.getBoundingClientRect().right > m.getBoundingClientRect().right + 1)
+      .map(el => el.tagName + ' ' + (el.textContent || '').slice(0, 60));
+    return {doc: document.documentElement.scrollWidth, view: window.innerWidth,
+            main: m.scrollWidth, mainClient: m.clientWidth, wide}; }"""
+
+#: Every link of the page: its href, its resolved URL, and for an anchor whether an element has that id.
+LINKS_JS = """() => [...document.querySelectorAll('a[href]')].map(a => ({href: a.getAttribute('href'), url: a.href,
+    target: a.getAttribute('href').startsWith('#')
+      ? !!document.getElementById(decodeURIComponent(a.getAttribute('href').slice(1))) : null}))"""
+
+
+def overflow(page) -> list[str]:
+    """What overflows: the page sideways, or <main>, or an element of <main> past its right edge."""
+    w = page.evaluate(OVERFLOW_JS)
+    out = [f"the page scrolls sideways ({w['doc']} > {w['view']} px)"] if w["doc"] > w["view"] else []
+    out += (
+        [f"main scrolls sideways ({w['main']} > {w['mainClient']} px)"] if w["main"] > w["mainClient"] else []
+    )
+    return out + w["wide"]
+
+
+def broken_links(page, bundle: Path) -> list[str]:
+    """Anchors no element has, and files that are not in the bundle."""
+    out = []
+    for link in page.evaluate(LINKS_JS):
+        if link["href"].startswith("#"):
+            out += [] if link["target"] else [f"{link['href']} (no element has that id)"]
+        elif not Path(unquote(urlparse(link["url"]).path)).exists():
+            out.append(f"{link['href']} (not in the bundle {bundle})")
+    return out
+
+
+def test_the_checks_see_an_overflow_and_a_broken_link(browser, tmp_path):
+    """The checks below are only as good as their reading of the page: a made-up page with a wide element
+    and two broken links must be seen."""
+    page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
+    html_file = tmp_path / "report.html"
+    html_file.write_text(
+        "<html><body><main style='max-width:600px'><div style='width:3000px'>wide</div>"
+        "<div class='scroll' style='overflow-x:auto'><table style='width:3000px'><tr><td>ok</td></tr></table></div>"
+        "<a href='#nowhere'>a</a><a href='gone.json'>b</a><h2 id='here'>h</h2><a href='#here'>c</a></main></body></html>"
+    )
+    page.goto(html_file.as_uri())
+    found, links = overflow(page), broken_links(page, tmp_path)
+    page.close()
+    assert any(f.startswith("DIV wide") for f in found) and not any("ok" in f for f in found), found
+    assert len(links) == 2 and "#nowhere" in links[0] and "gone.json" in links[1], links
+
+
 def test_the_main_column_does_not_overflow_at_1280_px(page_of):
     _, page = page_of
-    widths = page.evaluate(
-        """() => { const m = document.querySelector('main');
-        const wide = [...m.querySelectorAll('*')].filter(el => !el.closest('.scroll, pre'))
-          .filter(el => el.getBoundingClientRect().right > m.getBoundingClientRect().right + 1)
-          .map(el => el.tagName + ' ' + (el.textContent || '').slice(0, 60));
-        return {doc: document.documentElement.scrollWidth, view: window.innerWidth,
-                main: m.scrollWidth, mainClient: m.clientWidth, wide}; }"""
-    )
-    assert widths["doc"] <= widths["view"], f"the page scrolls sideways at {WIDTH} px: {widths}"
-    assert widths["main"] <= widths["mainClient"] and not widths["wide"], (
-        f"the main column overflows: {widths}"
-    )
+    found = overflow(page)
+    assert not found, f"at {WIDTH} px: {found}"
 
 
 def test_the_verdict_and_why_are_visible_without_scrolling(page_of):
@@ -111,17 +154,6 @@ def test_the_verdict_and_why_are_visible_without_scrolling(page_of):
 
 def test_every_link_resolves(page_of):
     bundle, page = page_of
-    links = page.evaluate(
-        """() => [...document.querySelectorAll('a[href]')].map(a => ({href: a.getAttribute('href'), url: a.href,
-            target: a.getAttribute('href').startsWith('#')
-              ? !!document.getElementById(decodeURIComponent(a.getAttribute('href').slice(1))) : null}))"""
-    )
-    assert links, "report.html links nothing: its sections and the bundle's files should be linked"
-    broken = [link["href"] for link in links if link["href"].startswith("#") and not link["target"]]
-    assert not broken, f"anchors with no element of that id: {broken}"
-    missing = [
-        link["href"]
-        for link in links
-        if not link["href"].startswith("#") and not Path(unquote(urlparse(link["url"]).path)).exists()
-    ]
-    assert not missing, f"links to files that are not in the bundle {bundle}: {missing}"
+    assert page.evaluate(LINKS_JS), "report.html links nothing: its sections and the bundle's files should be"
+    broken = broken_links(page, bundle)
+    assert not broken, f"report.html's links that do not resolve: {broken}"
