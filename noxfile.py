@@ -14,7 +14,7 @@ def _install(session: nox.Session, extras: str = "control,oracle") -> None:
     session.install("-e", f".[{extras}]")
 
 
-DEFAULT_TIER = "not slow and not vllm and not faults and not meta"
+DEFAULT_TIER = "not slow and not vllm and not faults and not meta and not browser"
 
 
 @nox.session(python="3.11")

@@ -639,6 +639,9 @@ class Backend(abc.ABC):
     #: of the declared ceiling kind (harness.bench.DEFAULT_FLOORS), and the report says so.
     bandwidth_floor: float | None = None
     fixed_cost_ms: float | None = None
+    #: Why the declared floors are what they are (what was measured, where, when): the report prints it
+    #: beside the floor. None where the backend declares none of its own.
+    floor_reason: str | None = None
 
     @abc.abstractmethod
     def deploy(

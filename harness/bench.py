@@ -41,6 +41,23 @@ DEFAULT_FLOORS: dict[str, tuple[float, float]] = {
     "gloo": (0.4, 80.0),  # broadcast: 0.65 (a path half as fast, 0.33, fails)
     "disk": (0.2, 150.0),
 }
+_GPU_REASON = (
+    "a verified sync can reach the verified ceiling (same-GPU ipc moved its bytes at 1.00 of it on the "
+    "H200, 2026-12-04); 0.85 leaves room for noise"
+)
+#: Why each default of DEFAULT_FLOORS is what it is: the report prints it beside the floor.
+DEFAULT_FLOOR_REASONS: dict[str, str] = {
+    "device-copy": _GPU_REASON,
+    "p2p-copy": _GPU_REASON,
+    "h2d-copy": _GPU_REASON,
+    "nccl": _GPU_REASON,
+    "memcpy": "a host copy on a loaded 2-core CI VM: catches a path that hangs, loses bytes or gets several "
+    "times slower (docs/performance.md, 'Floors on CPU'); a loaded host slows the fixed cost first",
+    "gloo": "broadcast measured 0.65 of its verified ceiling on the 2-core CI VM (2026-12-04): a path half "
+    "as fast (0.33) fails; a loaded host slows the fixed cost first",
+    "disk": "disk measured 0.69 of its verified ceiling on the 2-core CI VM (2026-12-04); 0.2 leaves room "
+    "for a loaded VM's fsync stalls, which slow the fixed cost first",
+}
 GPU_CEILINGS = ("device-copy", "p2p-copy", "h2d-copy", "nccl")
 CEILING_REPEATS_PER_PUSH = 2
 #: A gated row that misses its floors is measured again, up to this many rounds of its repeats, and keeps
@@ -82,6 +99,7 @@ class SyncRow:
     verified_times_s: list[float] = dataclasses.field(default_factory=list)  # the verified ceiling's repeats
     fixed_allowed_s: float = 0.0  # what one sync may cost beyond its bytes (the gate's second floor)
     floor_source: str = ""  # declared, default (ceiling kind), --floor
+    floor_reason: str = ""  # why the floors are what they are (Gate.reason)
     swept: bool = False  # a row of a bucket or changed-fraction sweep: measured, not gated, not fitted
     rounds_s: list[float] = dataclasses.field(default_factory=list)  # each round's median (ROW_ROUNDS)
 
@@ -368,6 +386,7 @@ class SyncBench:
             floor=self.gate.bandwidth_floor if self.gate else 0.0,
             fixed_allowed_s=self.gate.fixed_allowed_s if self.gate else 0.0,
             floor_source=self.gate.source if self.gate else "",
+            floor_reason=self.gate.reason if self.gate else "",
             ceiling_kind=self.kind or "",
             device=self.device,
             changed=self.changed,
@@ -417,11 +436,13 @@ def parse_floors(specs: list[str]) -> Floors:
 
 @dataclasses.dataclass(frozen=True)
 class Gate:
-    """A path's two floors (harness.throughput_model) and where the bandwidth floor came from."""
+    """A path's two floors (harness.throughput_model), where the bandwidth floor came from, and why they
+    are what they are (the backend's `floor_reason`, DEFAULT_FLOOR_REASONS, or the command line)."""
 
     bandwidth_floor: float
     fixed_allowed_s: float
     source: str
+    reason: str = ""
 
 
 def gate_for(backend: Backend, floors: dict[str, float] | None = None) -> Gate | None:
@@ -434,16 +455,25 @@ def gate_for(backend: Backend, floors: dict[str, float] | None = None) -> Gate |
     default_bw, default_ms = DEFAULT_FLOORS[kind]
     declared_bw = getattr(backend, "bandwidth_floor", None)
     declared_ms = getattr(backend, "fixed_cost_ms", None)
+    declared_why = getattr(backend, "floor_reason", None) or "declared by the backend, no reason given"
     if floors and backend.name in floors:
-        bw, source = floors[backend.name], "--floor"
+        bw, source, why = (
+            floors[backend.name],
+            "--floor",
+            f"named on the command line (--floor {backend.name}=...)",
+        )
     elif declared_bw is not None:
-        bw, source = float(declared_bw), "declared"
+        bw, source, why = float(declared_bw), "declared", declared_why
     else:
-        bw, source = default_bw, f"default of {kind}"
+        bw, source, why = default_bw, f"default of {kind}", DEFAULT_FLOOR_REASONS[kind]
     ms = float(declared_ms) if declared_ms is not None else default_ms
     if declared_ms is None:
         source += f"; fixed: default of {kind}"
-    return Gate(bw, ms / 1e3, source)
+        if not source.startswith("default"):
+            why += f"; fixed cost, default of {kind}: {DEFAULT_FLOOR_REASONS[kind]}"
+    elif not source.startswith("declared"):
+        why += f"; fixed cost, declared: {declared_why}"
+    return Gate(bw, ms / 1e3, source, why)
 
 
 def measure_sync(

@@ -33,12 +33,18 @@ class DeltaBackend(Backend):
             ("nccl" if gpu else "gloo") if transport == "broadcast" else ("device-copy" if gpu else "memcpy")
         )
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
-        # on the host, building and applying patches costs more than moving the dense bytes: 0.42 (delta)
-        # and 0.14 (delta-ipc) of the verified ceiling on the 2-core VM (2026-12-04), floored with room
         self.bandwidth_floor = None if gpu else (0.15 if transport == "broadcast" else 0.05)
-        if gpu:  # a delta sync reads both versions to diff them before it digests: 219 GB/s of a verified
-            # same-GPU ceiling of ~1,400 at 1% changed on the H200 (2026-12-04), its fixed cost 16 ms
+        self.floor_reason = (
+            "on the host, building and applying patches costs more than moving the dense bytes: 0.42 "
+            "(delta) and 0.14 (delta-ipc) of the verified ceiling on the 2-core VM (2026-12-04), floored "
+            "with room"
+        )
+        if gpu:
             self.bandwidth_floor, self.fixed_cost_ms = 0.1, 25.0
+            self.floor_reason = (
+                "a delta sync reads both versions to diff them before it digests: 219 GB/s of a verified "
+                "same-GPU ceiling of ~1,400 at 1% changed on the H200 (2026-12-04), its fixed cost 16 ms"
+            )
         self.capabilities = Capabilities(
             delta=True,
             ipc=transport == "ipc",

@@ -23,9 +23,13 @@ class IpcBackend(Backend):
         self.device = device
         # same-GPU CUDA IPC: the engine's copy out of the trainer's buffer is a device-to-device copy
         self.ceiling = "memcpy" if device == "cpu" else "device-copy"
-        # the host path stages every version in fresh shared memory (page faults the copy ceiling has
-        # not): 0.08 of its verified ceiling on the 2-core VM (2026-12-04), floored at 0.03 for a loaded one
         self.bandwidth_floor = 0.03 if device == "cpu" else None
+        if device == "cpu":
+            self.floor_reason = (
+                "the host path stages every version in fresh shared memory (page faults the copy ceiling "
+                "has not): 0.08 of its verified ceiling on the 2-core VM (2026-12-04), floored at 0.03 for "
+                "a loaded one"
+            )
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.capabilities = Capabilities(

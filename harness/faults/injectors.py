@@ -358,6 +358,9 @@ READ_POINTS = {
 
 
 class TrainerRaise(Fault):
+    """The trainer's tensor source raises at a seeded read mid-push (a bug or an out-of-memory in the
+    trainer's own code): the push must fail, every engine keep its last version, the next push succeed."""
+
     kind = "trainer-raise"
 
     def points(self, caps):

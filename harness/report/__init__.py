@@ -6,9 +6,12 @@ FAIL if anything showed a failure (a test, a fault cell, a throughput row with #
 floor); else COULD NOT DECIDE if any evidence is missing (a suite crashed, was killed or wrote no results,
 a cell is unknown, the throughput could not be measured, or nothing at all was shown); else PASS.
 
-The package's rooms, from the bottom: `evidence` (the verdict, its reasons, rerun lines, the environment),
-`plots`, `markdown_page` and `html_page` (the two pages a person reads), `bundle` (the folder: results.json,
-junit.xml, report.md, report.html). What callers use is importable from here.
+The package's rooms, from the bottom: `counts` (what each suite showed, counted), `sections` (the sections'
+titles and anchors, one table both pages read), `evidence` (the verdict, its reasons, rerun lines, the
+environment), `under_test` (the backends and their capabilities), `glance` (the first screen: verdict, why,
+what to rerun), `plots`, `markdown_page` + `markdown_report` and `html_parts` + `html_sections` +
+`html_page` (the two pages a person reads), `bundle` (the folder: results.json, junit.xml, report.md,
+report.html, reshard-plan.md). What callers use is importable from here.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from harness.report.markdown_page import (
     quick_section,
     throughput_section,
     throughput_table,
-    verdict_section,
 )
 from harness.report.plots import (
     plot_breakdown,
@@ -87,7 +89,6 @@ __all__ = [
     "throughput_table",
     "throughput_section",
     "breakdown_table",
-    "verdict_section",
     "merge_junit",
     "write_report",
     "render",

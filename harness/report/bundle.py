@@ -1,5 +1,6 @@
 """The certification bundle in a folder: results.json a machine reads (docs/results-schema.md), one merged
-junit.xml for CI, report.md and report.html a person reads: all written from one computed verdict."""
+junit.xml for CI, report.md and report.html a person reads (and reshard-plan.md, the resharding plan's
+every transfer, where a test attached one): all written from one computed verdict."""
 
 from __future__ import annotations
 
@@ -12,26 +13,17 @@ from pathlib import Path
 from harness.bench import SyncRow, gate_failures
 from harness.report.evidence import (
     SCHEMA_VERSION,
-    cell,
     decide,
     environment,
-    jobs_text,
-    matrix,
-    pytest_rerun,
     quick_skipped,
     reruns,
     verdict_label,
 )
+from harness.report.glance import glance
 from harness.report.html_page import render
-from harness.report.markdown_page import (
-    fault_section,
-    known_failures_section,
-    quick_section,
-    reshard_section,
-    throughput_section,
-    verdict_section,
-)
-from harness.report.plots import rows_by_path
+from harness.report.markdown_page import reshard_page
+from harness.report.markdown_report import render_markdown
+from harness.report.sections import RESHARD_FILE
 from harness.throughput_model import fit_paths
 
 
@@ -124,95 +116,11 @@ def write_report(
         data["quick"] = {**quick, "skipped": skipped, "total": total}
     (out_dir / "results.json").write_text(json.dumps(data, indent=2, sort_keys=True))
 
-    backends = list(results)
-    mat = matrix(results)
-    md = [
-        f"# weightsync certification: {data['verdict_label']}",
-        "",
-        f"- command: `{command}`",
-        f"- {jobs_text(jobs)}",
-        f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
-        f"torch {env['torch']}, CUDA {'yes' if env['cuda'] else 'no'})",
-        f"- exit status: {decision.exit_status} (0 PASS, 1 FAIL, 3 COULD NOT DECIDE)",
-    ]
-    md += verdict_section(data)
-    md += quick_section(data)
-    md += [
-        "",
-        "## What was under test",
-        "",
-        "| backend | engine | receivers | hypothesis profile | capabilities |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for b in backends:
-        r = results[b]
-        caps = ", ".join(f"{k}={v}" for k, v in r.get("capabilities", {}).get(b, {}).items())
-        rx = r.get("receivers", {}).get(b)
-        md.append(f"| {b} | `{r.get('engine')}` | {rx} | {r.get('hypothesis_profile')} | {caps} |")
-    md += [
-        "",
-        "## Invariants × paths",
-        "",
-        "| invariant | " + " | ".join(backends) + " |",
-        "| --- | " + " | ".join("---" for _ in backends) + " |",
-    ]
-    for inv in sorted(mat):
-        md.append(f"| {inv} | " + " | ".join(cell(mat[inv].get(b)) for b in backends) + " |")
-    failures = [
-        (b, n, rec)
-        for b in backends
-        for n, rec in results[b].get("tests", {}).items()
-        if rec.get("status") in ("failed", "error")
-    ]
-    stopped = [(b, results[b]["error"]) for b in backends if results[b].get("error")]
-    if failures or stopped:
-        md += ["", "## Failures", ""]
-        md += [f"- **{b}**: {err}" for b, err in stopped]
-        for b, n, rec in failures:
-            rerun = pytest_rerun(n, b, engine, receivers, profile, device=results[b].get("device", "cpu"))
-            md += [f"### {b}: `{n}`", "", f"rerun: `{rerun}`", "", "```", rec.get("message", "")[-1500:]]
-            md += ["```", ""]
-    md += known_failures_section(results, faults)
-    md += fault_section(faults)
-    md += reshard_section(results)
-    examples = {
-        b: sum(rec.get("examples", 0) for rec in results[b].get("tests", {}).values()) for b in backends
-    }
-    counts = {b: Counter(rec.get("status") for rec in results[b].get("tests", {}).values()) for b in backends}
-    md += [
-        "",
-        "## Counts",
-        "",
-        "| backend | tests | passed | failed | NOT_SUPPORTED | skipped | hypothesis examples |",
-        "| --- | --: | --: | --: | --: | --: | --: |",
-    ]
-    for b in backends:
-        c = counts[b]
-        md.append(
-            f"| {b} | {sum(c.values())} | {c['passed']} | {c['failed'] + c['error']} | {c['not_supported']} | "
-            f"{c['skipped']} | {examples[b]} |"
-        )
-    if rows or throughput_note:
-        md += ["", "## Sync throughput", "", f"**{throughput_note}**" if throughput_note else ""]
-    if rows:
-        md += throughput_section(rows, out_dir)[2:]  # the heading is above, with the engine it measured
-        md += [
-            "",
-            "## Cost model",
-            "",
-            "GPU-hours spent in sync = sync seconds × GPUs held × steps / 3600, "
-            "for the largest payload measured per path, at 8 GPUs held and 1000 steps:",
-            "",
-            "| path | rx | size (B) | sync (s) | GPU-hours / 1000 steps on 8 GPUs |",
-            "| --- | --: | --: | --: | --: |",
-        ]
-        for (name, rx), group in rows_by_path(rows).items():
-            r = max(group, key=lambda row: row.size_bytes)
-            md.append(
-                f"| {name} | {rx} | {r.size_bytes} | {r.time_s:.4f} | {r.time_s * 8 * 1000 / 3600:.3f} |"
-            )
-    md.append("")
+    g = glance(data, rows, str(out_dir))
     path = out_dir / "report.md"
-    path.write_text("\n".join(md))
-    (out_dir / "report.html").write_text(render(data, rows, out_dir))
+    path.write_text(render_markdown(data, rows, out_dir, g))
+    (out_dir / "report.html").write_text(render(data, rows, out_dir, g))
+    plan = reshard_page(results)
+    if plan:
+        (out_dir / RESHARD_FILE).write_text(plan)
     return path

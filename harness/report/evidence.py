@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from harness.report.counts import VERDICT_NAMES, rest_note
+
 # test module -> the invariant of DESIGN.md it checks
 INVARIANTS: dict[str, str] = {
     "test_bitwise": "1 bitwise (dtypes, shapes, NaN, -0.0)",
@@ -32,6 +34,20 @@ INVARIANTS: dict[str, str] = {
     "test_supervision": "7 dead or hung rank fails in bounded time",
     "test_torchrun": "broadcast rank code under torchrun",
     "test_reshard": "1 bitwise per TP shard (FSDP2/DTensor shards in, plan's minimum bytes)",
+    "test_deploy": "deploys with what the backend claims (receivers, buckets, GPU)",
+}
+
+#: What the leading numbers of INVARIANTS' names refer to: the invariants of docs/architecture.md
+#: ("Invariants the suites check"), by number ("1+3": a module that checks invariants 1 and 3).
+INVARIANT_NUMBERS: dict[int, str] = {
+    1: "bitwise: every tensor read back equals the pushed version bit for bit",
+    2: "patch: base + delta equals the next version bit for bit",
+    3: "version: only moves forward, changes only at finish; stale or repeated refused",
+    4: "no mixing: one version per request unless the pause mode says otherwise; caches invalidated",
+    5: "lifecycle: calls out of order (and bad input) refused, the engine stays up",
+    6: "pause/resume: abort, wait and keep lose no request",
+    7: "faults: a dead or hung rank fails the sync in bounded time, the next sync succeeds",
+    8: "resources: nothing leaks over many syncs",
 }
 
 
@@ -288,15 +304,20 @@ def matrix(results: dict[str, dict]) -> dict[str, dict[str, Counter]]:
 
 
 def cell(c: Counter | None) -> str:
+    """An invariant × path cell: **FAIL** / unknown / PASS as a fraction of the tests, with what else its
+    denominator holds ("PASS 12/13, 1 NOT_SUPPORTED"); NOT_SUPPORTED alone where nothing was claimed."""
     if not c:
         return "–"
     total = sum(c.values())
-    if c.get("failed"):
-        return f"**FAIL** {c['failed']}/{total}"
-    if c.get("passed", 0) == 0 and c.get("not_supported"):
+    failed = c.get("failed", 0) + c.get("error", 0) + c.get("xpassed", 0)
+    if failed:
+        shown = Counter({k: v for k, v in c.items() if k not in ("failed", "error", "xpassed")})
+        return f"**FAIL** {failed}/{total}{rest_note(shown, '')}"
+    if c.get("unknown"):
+        return f"unknown {c['unknown']}/{total}{rest_note(c, 'unknown')}"
+    if not c.get("passed") and c.get("not_supported") == total:
         return "NOT_SUPPORTED"
-    extra = f" ({c['not_supported']} n/s)" if c.get("not_supported") else ""
-    return f"PASS {c.get('passed', 0)}/{total}{extra}"
+    return f"PASS {c.get('passed', 0)}/{total}{rest_note(c, 'passed')}"
 
 
 def fault_matrix(faults: dict[str, dict]) -> dict[str, dict[str, list[dict]]]:
@@ -322,31 +343,58 @@ def between_syncs_kinds(mat: dict[str, dict[str, list[dict]]]) -> list[str]:
 
 
 def damage_of(kind: str) -> str:
-    """The first sentence of the fault kind's own description (what it does to the deployment)."""
+    """The first sentence of the fault kind's own description (what it does to the deployment): its class's
+    docstring, or for trainer-kill (a cell of its own, harness.faults.trainer_kill) its module's."""
+    from harness.faults import trainer_kill
     from harness.faults.kinds import FAULTS
 
-    doc = (FAULTS[kind].__doc__ or kind) if kind in FAULTS else kind
+    doc = (
+        FAULTS[kind].__doc__
+        if kind in FAULTS
+        else trainer_kill.__doc__
+        if kind == trainer_kill.KIND
+        else None
+    )
+    doc = doc or kind
     return " ".join(doc.split()).split(". ")[0].split(": ")[0].rstrip(".").replace("|", "/")
 
 
 def fault_cell_text(cells: list[dict] | None) -> str:
-    """ok / **FAIL** / unknown / NOT_SUPPORTED, with the worst time to detect and to recover."""
+    """ok / **FAIL** / unknown as a fraction of the cells, with what else the denominator holds ("ok 4/5,
+    1 NOT_SUPPORTED"), and the worst time to detect and to recover; NOT_SUPPORTED alone where no cell
+    applied."""
     if not cells:
         return "–"
-    verdicts = [c["verdict"] for c in cells]
-    if "fail" in verdicts:
-        return f"**FAIL** {verdicts.count('fail')}/{len(cells)}"
-    if "unknown" in verdicts:
-        return f"unknown {verdicts.count('unknown')}/{len(cells)}"
-    if all(v == "not_applicable" for v in verdicts):
+    verdicts = Counter(c["verdict"] for c in cells)
+    n = len(cells)
+    if verdicts["fail"]:
+        return f"**FAIL** {verdicts['fail']}/{n}{rest_note(verdicts, 'fail', VERDICT_NAMES)}"
+    if verdicts["unknown"]:
+        return f"unknown {verdicts['unknown']}/{n}{rest_note(verdicts, 'unknown', VERDICT_NAMES)}"
+    if verdicts["not_applicable"] == n:
         return "NOT_SUPPORTED"
     detect = max(c["detect_s"] or 0 for c in cells)
     recover = max(c["recover_s"] or 0 for c in cells)
-    return f"ok {verdicts.count('ok')}/{len(cells)} ({detect:.1f}s / {recover:.1f}s)"
+    return (
+        f"ok {verdicts['ok']}/{n}{rest_note(verdicts, 'ok', VERDICT_NAMES)} ({detect:.1f}s / {recover:.1f}s)"
+    )
 
 
 #: The columns of a resharding plan's transfer table (report.md, report.html), keys of `reshard_plan`'s rows
 RESHARD_COLUMNS = ("src", "dst", "source", "src_rows", "cols", "dest", "dst_rows", "bytes")
+
+#: What each column of the transfer table holds (harness.reshard.plan.Transfer), as the pages define it.
+RESHARD_COLUMN_MEANINGS = {
+    "#": "the transfer's index in the plan",
+    "src": "the trainer rank that sends",
+    "dst": "the engine rank that receives",
+    "source": "the trainer's tensor",
+    "src_rows": "rows of the trainer rank's local shard read (start:end)",
+    "cols": "its columns (start:end; all: every column)",
+    "dest": "the engine's tensor (fused: qkv_proj, gate_up_proj)",
+    "dst_rows": "rows of the engine rank's shard written (start:end)",
+    "bytes": "bytes moved",
+}
 
 
 def reshard_plans(results: dict[str, dict]) -> list[tuple[str, str, dict]]:
@@ -418,3 +466,25 @@ def quick_throughput(quick: dict) -> str:
         f"; the throughput was measured at {' '.join(map(str, quick['sizes_mib']))} MiB, "
         f"{quick['repeats']} repeat(s)"
     )
+
+
+def floor_notes(rows: list) -> list[tuple[str, str]]:
+    """(path, text) once per gated path: its two floors, where they came from and why they are what they
+    are ('bandwidth floor 0.03 of the verified ceiling, fixed cost 60 ms per sync (declared; fixed: default
+    of memcpy): the host path stages ...'). A bundle from before floors carried their reason gets the
+    default's reason where the floor was a default."""
+    from harness.bench import DEFAULT_FLOOR_REASONS
+
+    out: dict[str, str] = {}
+    for r in rows:
+        if not r.floor or r.swept or r.path in out:
+            continue
+        why = r.floor_reason
+        if not why and r.floor_source.startswith("default of "):
+            why = DEFAULT_FLOOR_REASONS.get(r.floor_source.removeprefix("default of ").partition(";")[0], "")
+        why = why or "no reason recorded (a bundle written before floors carried their reason)"
+        out[r.path] = (
+            f"bandwidth floor {r.floor:g} of the verified ceiling, fixed cost {r.fixed_allowed_s * 1e3:g} ms "
+            f"per sync ({r.floor_source or 'source not recorded'}): {why}"
+        )
+    return list(out.items())

@@ -1,5 +1,6 @@
-"""report.md's sections (the verdict's reasons, failures, known failures, the fault matrix, the throughput
-table and its breakdown), drawn from the evidence."""
+"""report.md's sections (known failures, the fault matrix, --quick's omissions, the throughput table, its
+fit, floors and breakdown, the cost model, the appendix), drawn from the evidence; markdown_report puts
+them in order under the first screen."""
 
 from __future__ import annotations
 
@@ -7,18 +8,22 @@ from pathlib import Path
 
 from harness.bench import THROUGHPUT_COLUMNS, SyncRow, throughput_cells
 from harness.report.evidence import (
+    RESHARD_COLUMN_MEANINGS,
     RESHARD_COLUMNS,
     between_syncs_kinds,
     damage_of,
     fault_cell_text,
     fault_matrix,
+    floor_notes,
     known_failures,
     quick_throughput,
     reshard_bytes_rows,
     reshard_heading,
     reshard_plans,
 )
-from harness.report.plots import plot_breakdown, plot_throughput
+from harness.report.plots import plot_breakdown, plot_throughput, rows_by_path
+from harness.report.sections import RESHARD_FILE, SECTIONS, anchor, md_link
+from harness.report.under_test import capability_table, under_test
 
 
 def known_failures_section(results: dict, faults: dict | None = None) -> list[str]:
@@ -27,7 +32,7 @@ def known_failures_section(results: dict, faults: dict | None = None) -> list[st
         return []
     md = [
         "",
-        "## Known failures",
+        f"## {SECTIONS['known']}",
         "",
         "Listed in the xfails file: they failed as expected (a fix shows as XPASS,",
     ]
@@ -49,21 +54,26 @@ def fault_section(faults: dict[str, dict]) -> list[str]:
     timeout = next((c["timeout_s"] for row in mat.values() for cs in row.values() for c in cs), None)
     md = [
         "",
-        "## Fault matrix",
+        f"## {SECTIONS['faults']}",
         "",
         f"Each cell: push v1, push v2 under the fault, heal, push v3 (timeout {timeout:g}s). ok = every engine served "
         "one committed version bit for bit, the failing push returned within 2x the timeout with a specific error "
         "naming the receiver, nothing reported success while engines differed, v3 reached every engine without a "
         "redeploy, nothing leaked. Times: slowest faulty push (detect) / slowest push after heal (recover). "
-        "unknown never counts as ok.",
+        "unknown never counts as ok. A fraction counts the cells (one per point the fault was injected at) "
+        "and says what else it holds: NOT_SUPPORTED, a point the backend does not claim what it needs.",
         "",
-        "| fault | " + " | ".join(backends) + " |",
-        "| --- | " + " | ".join("---" for _ in backends) + " |",
+        "| fault | what is injected | " + " | ".join(backends) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in backends) + " |",
     ]
     between = between_syncs_kinds(mat)
     for kind in mat:
         if kind not in between:
-            md.append(f"| {kind} | " + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends) + " |")
+            md.append(
+                f"| {kind} | {damage_of(kind)} | "
+                + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends)
+                + " |"
+            )
     if between:
         md += [
             "",
@@ -131,7 +141,7 @@ def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
     """The sync table with its gate and where the time goes, plots drawn into out_dir (certify and bench)."""
     md = [
         "",
-        "## Sync throughput",
+        f"## {SECTIONS['throughput']}",
         "",
         "Full lifecycle per push (start, prepare, transfer, finish on every engine), median of repeats; "
         "algbw = bytes / time; ceiling = the raw transport on this machine, two repeats before each push, "
@@ -140,11 +150,14 @@ def throughput_section(rows: list[SyncRow], out_dir: Path) -> list[str]:
         "ratio = algbw / ceiling; verified = the ceiling plus the harness's digests on both sides (what a "
         "verified sync cannot beat); #wrong = tensors not bitwise equal after the timed pushes. A row fails "
         "when its time is over **allowed** = the fixed cost the path may spend + the verified ceiling's time "
-        "/ the bandwidth floor; a ratio above 1.0 is **unreliable** (not passed).",
+        "/ the bandwidth floor; a ratio above 1.0 is **unreliable** (not passed). rx = receiver ranks, "
+        "count = tensors, type = their dtype, bound = the ceiling's kind; each path's floors and why they "
+        f"are what they are: {md_link('floors')}.",
         "",
     ]
     md += throughput_table(rows)
     md += fit_section(rows)
+    md += floors_section(rows)
     if plot_throughput(rows, out_dir / "throughput.png"):
         md += ["", "![throughput](throughput.png)"]
     md += [
@@ -183,61 +196,6 @@ def breakdown_table(rows: list[SyncRow]) -> list[str]:
     return lines
 
 
-def verdict_section(data: dict) -> list[str]:
-    """Why the verdict is what it is, and the command that reruns each failure alone."""
-    md = []
-    reasons = data["reasons"]
-    if reasons["failed"] or reasons["undecided"]:
-        md += ["", "## Why", ""]
-        md += [f"- **failed** {r}" for r in reasons["failed"]]
-        md += [f"- **could not decide** {r}" for r in reasons["undecided"]]
-    if data["reruns"]:
-        md += ["", "## Rerun a failure alone", "", "From the repository root:", ""]
-        for r in data["reruns"]:
-            md += [f"- {r['suite']} {r['what']}:", f"  `{r['command']}`"]
-    return md
-
-
-def reshard_section(results: dict[str, dict]) -> list[str]:
-    """The resharding plans test_reshard attached: bytes per rank against the plan's minimum, then every
-    transfer (docs/resharding.md explains the columns)."""
-    plans = reshard_plans(results)
-    if not plans:
-        return []
-    md = [
-        "",
-        "## Resharding plan",
-        "",
-        "Trainer FSDP2 / DTensor shards -> engine tensor-parallel shards (docs/resharding.md). minimum = the "
-        "checkpoint bytes each engine rank's shards hold (total: their sum); measured = what the sync counted; "
-        "a rank whose measured bytes differ from its minimum moved a byte twice or missed one.",
-    ]
-    for backend, node, plan in plans:
-        md += ["", f"`{node}` ({backend}): {reshard_heading(plan)}", ""]
-        md += [
-            "| rank | planned B | minimum B | measured B | measured = minimum |",
-            "| --- | --: | --: | --: | --- |",
-        ]
-        md += ["| " + " | ".join(cells) + " |" for cells in reshard_bytes_rows(plan)]
-        md += [
-            "",
-            "| # | " + " | ".join(RESHARD_COLUMNS) + " |",
-            "| --: | " + " | ".join("---" for _ in RESHARD_COLUMNS) + " |",
-        ]
-        md += [
-            f"| {i} | " + " | ".join(str(t[c]) for c in RESHARD_COLUMNS) + " |"
-            for i, t in enumerate(plan["transfers"])
-        ]
-        md += [
-            "",
-            *(
-                f"- tied: `{a}` is `{b}` on every engine rank (no bytes of its own)"
-                for a, b in plan.get("tied", {}).items()
-            ),
-        ]
-    return md
-
-
 def quick_section(data: dict) -> list[str]:
     """'Skipped by --quick': what the first look left out, counted by suite and backend, and the command
     of the full run."""
@@ -249,7 +207,7 @@ def quick_section(data: dict) -> list[str]:
     throughput = quick_throughput(quick)
     md = [
         "",
-        "## Skipped by --quick",
+        f"## {SECTIONS['quick']}",
         "",
         "A first look: the conformance tests that take a second or more on a 2-core machine (marked "
         "`not_quick`), the tests of each backend at more receivers than its fewest, and every fault cell "
@@ -268,3 +226,103 @@ def quick_section(data: dict) -> list[str]:
         for b in backends
     ]
     return md
+
+
+def floors_section(rows: list[SyncRow]) -> list[str]:
+    """Each gated path's two floors, where they came from (declared, default of its ceiling kind, --floor)
+    and why they are what they are."""
+    notes = floor_notes(rows)
+    if not notes:
+        return []
+    md = ["", f"### {SECTIONS['floors']}", ""]
+    return md + [f"- **{path}**: {text}" for path, text in notes]
+
+
+def cost_section(rows: list[SyncRow]) -> list[str]:
+    """GPU-hours spent in sync for the largest payload measured per path."""
+    md = [
+        "",
+        f"## {SECTIONS['cost']}",
+        "",
+        "GPU-hours spent in sync = sync seconds × GPUs held × steps / 3600, "
+        "for the largest payload measured per path (rx: its receiver ranks), at 8 GPUs held and 1000 steps:",
+        "",
+        "| path | rx | size (B) | sync (s) | GPU-hours / 1000 steps on 8 GPUs |",
+        "| --- | --: | --: | --: | --: |",
+    ]
+    for (name, rx), group in rows_by_path(rows).items():
+        r = max(group, key=lambda row: row.size_bytes)
+        md.append(f"| {name} | {rx} | {r.size_bytes} | {r.time_s:.4f} | {r.time_s * 8 * 1000 / 3600:.3f} |")
+    return md
+
+
+def capabilities_appendix(results: dict, faults: dict) -> list[str]:
+    """Every capability each backend declares, one row per capability (yes, –, or its value)."""
+    tested = under_test(results, faults)
+    if not tested:
+        return []
+    header, rows = capability_table(tested)
+    md = ["", f"## {SECTIONS['capabilities']}", ""]
+    md.append(
+        "What each backend declares (`Capabilities`); a test of a capability it does not declare is "
+        "NOT_SUPPORTED, never failed."
+    )
+    md += ["", "| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    return md + ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
+def reshard_appendix(results: dict[str, dict]) -> list[str]:
+    """The resharding plans test_reshard attached: bytes per rank against the plan's minimum (every
+    transfer: RESHARD_FILE, reshard_page)."""
+    plans = reshard_plans(results)
+    if not plans:
+        return []
+    md = [
+        "",
+        f"## {SECTIONS['reshard']}",
+        "",
+        "Trainer FSDP2 / DTensor shards -> engine tensor-parallel shards (docs/resharding.md). planned = the "
+        "bytes the plan moves from or to the rank; minimum = the checkpoint bytes each engine rank's shards "
+        "hold (total: their sum); measured = what the sync counted; a rank whose measured bytes differ from "
+        f"its minimum moved a byte twice or missed one. Every transfer: [{RESHARD_FILE}]({RESHARD_FILE}).",
+    ]
+    for backend, node, plan in plans:
+        md += ["", f"`{node}` ({backend}): {reshard_heading(plan)}", ""]
+        md += [
+            "| rank | planned B | minimum B | measured B | measured = minimum |",
+            "| --- | --: | --: | --: | --- |",
+        ]
+        md += ["| " + " | ".join(cells) + " |" for cells in reshard_bytes_rows(plan)]
+        md += [
+            "",
+            *(
+                f"- tied: `{a}` is `{b}` on every engine rank (no bytes of its own)"
+                for a, b in plan.get("tied", {}).items()
+            ),
+        ]
+    return md
+
+
+def reshard_page(results: dict[str, dict]) -> str | None:
+    """RESHARD_FILE: every transfer of every plan, its columns defined above the tables; None without a plan."""
+    plans = reshard_plans(results)
+    if not plans:
+        return None
+    md = [
+        "# Resharding plan: every transfer",
+        "",
+        f"The transfers of [{SECTIONS['reshard']}](report.md{anchor('reshard')}) in report.md. Columns:",
+        "",
+        *(f"- {col}: {what}" for col, what in RESHARD_COLUMN_MEANINGS.items()),
+    ]
+    for backend, node, plan in plans:
+        md += ["", f"## `{node}` ({backend})", "", reshard_heading(plan), ""]
+        md += [
+            "| # | " + " | ".join(RESHARD_COLUMNS) + " |",
+            "| --: | " + " | ".join("---" for _ in RESHARD_COLUMNS) + " |",
+        ]
+        md += [
+            f"| {i} | " + " | ".join(str(t[c]) for c in RESHARD_COLUMNS) + " |"
+            for i, t in enumerate(plan["transfers"])
+        ]
+    return "\n".join([*md, ""])

@@ -214,7 +214,7 @@ def test_the_three_renderers_show_the_same_throughput_cells(bundle):
     markdown = [[c.strip() for c in line.strip("|").split("|")] for line in [lines[0], *lines[2:]]]
     data = json.loads((bundle / "results.json").read_text())
     page = render(data, rows, bundle)
-    body = page[page.index("<h2>Sync throughput</h2>") :]
+    body = page[page.index('<h2 id="sync-throughput">Sync throughput</h2>') :]
     body = body[body.index("<table>") : body.index("</table>")]
     page_rows = re.findall(r"<tr>(.*?)</tr>", body)
     in_html = [[html.unescape(c) for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", tr)] for tr in page_rows]

@@ -1,6 +1,6 @@
-"""report.md and report.html print the resharding plan test_reshard attaches to its results record: bytes
-per rank against the plan's minimum, and every transfer; a rank that moved more than its minimum is
-flagged. Synthetic results, nothing runs (seconds)."""
+"""report.md and report.html print the resharding plan test_reshard attaches to its results record in their
+appendix: bytes per rank against the plan's minimum (a rank that moved more than its minimum is flagged),
+and link reshard-plan.md, which holds every transfer. Synthetic results, nothing runs (seconds)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ def test_report_prints_the_plan_and_bytes_per_rank_against_the_minimum(tmp_path)
         tmp_path, _results(plan.report_record(measured)), [], "weightsync certify --backend broadcast"
     )
     md, page = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
+    transfers = (tmp_path / "reshard-plan.md").read_text()
     minimum = plan.minimum_bytes()
-    assert "## Resharding plan" in md and "<h2>Resharding plan</h2>" in page, md
+    assert "## Appendix B: resharding plan" in md and ">Appendix B: resharding plan</h2>" in page, md
+    assert "[reshard-plan.md](reshard-plan.md)" in md and 'href="reshard-plan.md"' in page, md
     for e in range(2):
         m = minimum[f"engine {e}"]
         row = f"| engine {e} | {m} | {m} | {m} | ok |"
@@ -53,10 +55,11 @@ def test_report_prints_the_plan_and_bytes_per_rank_against_the_minimum(tmp_path)
     assert f"| total | {total} | {total} | {total} | ok |" in md, md
     t = plan.transfers[-1]
     last = f"| {len(plan.transfers) - 1} | {t.src} | {t.dst} | {t.source} |"
-    assert last in md, f"the last transfer's row {last!r} is not in report.md"
+    assert last in transfers, f"the last transfer's row {last!r} is not in reshard-plan.md"
     assert sum(
-        line.startswith("| ") and line.split("|")[1].strip().isdigit() for line in md.splitlines()
-    ) == len(plan.transfers), "report.md should have one row per transfer"
+        line.startswith("| ") and line.split("|")[1].strip().isdigit() for line in transfers.splitlines()
+    ) == len(plan.transfers), "reshard-plan.md should have one row per transfer"
+    assert last not in md, "the transfers belong in reshard-plan.md, not in report.md"
     assert "tied: `lm_head.weight` is `model.embed_tokens.weight`" in md, md
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["conformance"]["broadcast"]["tests"][NODE]["reshard_plan"]["bytes"][-1]["minimum"] == total
@@ -74,4 +77,5 @@ def test_report_has_no_resharding_section_without_a_plan(tmp_path):
     results = _results({})
     results["broadcast"]["tests"][NODE].pop("reshard_plan")
     write_report(tmp_path, results, [], "weightsync certify")
-    assert "Resharding plan" not in (tmp_path / "report.md").read_text()
+    assert "resharding plan" not in (tmp_path / "report.md").read_text()
+    assert not (tmp_path / "reshard-plan.md").exists()
