@@ -24,6 +24,7 @@ from harness.ceilings import ceiling_kind, make_ceiling
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
 from harness.devices import normalize, run_device
+from harness.host_load import OtherLoad
 
 #: The throughput gate (harness.throughput_model) by ceiling kind, for a backend that declares none of its
 #: own (`Backend.bandwidth_floor`, `Backend.fixed_cost_ms`): the fraction of the verified ceiling's
@@ -64,6 +65,9 @@ CEILING_REPEATS_PER_PUSH = 2
 #: its best round: a path that is slow is slow in every round; a host that was busy for one is not the
 #: path's fault (the row lists every round's median, so a reader sees what was taken).
 ROW_ROUNDS = 3
+#: Other jobs using this many CPUs or more (on average, while a row was measured) make the host busy: a row
+#: that misses its floors then is not judged (COULD NOT DECIDE, naming the load), never FAIL.
+BUSY_CORES = 0.5
 BARE_PAYLOAD_BYTES = 16  # the bare lifecycle row: one bf16 element in each of the 8 tensors
 DEFAULT_CHANGED = 0.01  # delta paths: entries changed per version (bf16 RL steps change about 1%)
 #: Parts of a row's critical path, in the order of its stacked bar: the trainer's prepare (digest,
@@ -102,6 +106,7 @@ class SyncRow:
     floor_reason: str = ""  # why the floors are what they are (Gate.reason)
     swept: bool = False  # a row of a bucket or changed-fraction sweep: measured, not gated, not fitted
     rounds_s: list[float] = dataclasses.field(default_factory=list)  # each round's median (ROW_ROUNDS)
+    other_cores: float = 0.0  # CPUs' worth of other jobs' work on the host while the row was measured
 
     @property
     def ratio(self) -> float:
@@ -122,13 +127,22 @@ class SyncRow:
         return self.fixed_allowed_s + min(self.verified_times_s) / self.floor
 
     @property
+    def host_busy(self) -> bool:
+        """Other jobs took BUSY_CORES or more of the host's CPUs while this row was measured."""
+        return self.other_cores >= BUSY_CORES
+
+    @property
     def verdict(self) -> str:
         """ok; wrong (a tensor differed); unreliable (faster than its raw transport: the ceiling was not
-        one); below floor (slower than the two floors allow at its size); or no ceiling."""
+        one); below floor (slower than the two floors allow at its size); host busy (one of the last two
+        on a host where other jobs took BUSY_CORES or more: not judged); or no ceiling."""
         if self.wrong:
             return "wrong"
         if not self.ceiling_gbs:
             return "no ceiling"
+        missed = self.ratio > 1.0 or bool(self.allowed_s and self.time_s > self.allowed_s)
+        if missed and self.floor and self.host_busy:
+            return "host busy"
         if self.ratio > 1.0:
             return "unreliable"
         if self.allowed_s and self.time_s > self.allowed_s:
@@ -309,6 +323,7 @@ class SyncBench:
             )  # warm-up: connections, page cache, allocator
             if self.ceiling is not None:
                 self.ceiling.once()
+            self._others = OtherLoad()  # what other jobs ran while this row's repeats were measured
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -364,6 +379,7 @@ class SyncBench:
         """The pushes measured so far are set aside: the next row() is of the pushes that follow (the
         ceiling keeps every repeat: it is the best of them)."""
         self._samples = []
+        self._others = OtherLoad()
 
     def row(self) -> SyncRow:
         """The median push, its breakdown, the best ceiling repeat, and #wrong read back from every engine."""
@@ -397,6 +413,7 @@ class SyncBench:
             times_s=[s[0] for s in self._samples],
             ceiling_times_s=self._ceiling_times,
             verified_times_s=self._verified_times,
+            other_cores=round(self._others.cores(), 3),
         )
 
 
@@ -405,9 +422,38 @@ def gate_failures(rows: list[SyncRow]) -> list[str]:
     (for a report's verdict)."""
     from harness.throughput_model import fit_paths
 
-    out = [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if not r.passed]
+    out = [f"{r.path} {r.receivers}rx {r.size_bytes}: {r.verdict}" for r in rows if judged_failed(r)]
+    busy = {(r.path, r.receivers) for r in rows if r.host_busy}
     for fit in fit_paths(rows):
-        out += [f"{fit.path} {fit.receivers}rx fitted: {why}" for why in fit.failures()]
+        if (fit.path, fit.receivers) not in busy:
+            out += [f"{fit.path} {fit.receivers}rx fitted: {why}" for why in fit.failures()]
+    return out
+
+
+def judged_failed(row: SyncRow) -> bool:
+    """A row that fails the gate; a miss on a busy host ("host busy") is not judged (harness.report's
+    verdict makes it COULD NOT DECIDE)."""
+    return not row.passed and row.verdict != "host busy"
+
+
+def busy_rows(rows: list[SyncRow]) -> list[str]:
+    """The rows, and fitted paths, left unjudged because other jobs took the host's CPUs, one line each."""
+    from harness.throughput_model import fit_paths
+
+    out = [
+        f"throughput {r.path} {r.receivers}rx {r.size_bytes} B: not judged, other jobs used "
+        f"{r.other_cores:.1f} CPUs while it was measured ({r.time_s * 1e3:.2f} ms where "
+        f"{r.allowed_s * 1e3:.2f} ms is allowed); measure it again on a quiet host"
+        for r in rows
+        if r.verdict == "host busy"
+    ]
+    busy = {(r.path, r.receivers) for r in rows if r.host_busy}
+    for fit in fit_paths(rows):
+        if (fit.path, fit.receivers) in busy and fit.failures():
+            out.append(
+                f"throughput {fit.path} {fit.receivers}rx fitted: not judged (rows measured on a busy host): "
+                + "; ".join(fit.failures())
+            )
     return out
 
 
@@ -538,7 +584,9 @@ def measure_sync(
                     if tried[-1].passed or tried[-1].wrong:
                         break
                     bench.next_round()
-                row = next((r for r in tried if r.passed), min(tried, key=lambda r: r.time_s))
+                # a pass; else a miss on a quiet host (the path's own); else the fastest busy round
+                quiet = [r for r in tried if not r.host_busy]
+                row = next((r for r in tried if r.passed), min(quiet or tried, key=lambda r: r.time_s))
                 row.rounds_s = [r.time_s for r in tried]
                 row.swept = swept
                 rows.append(row)

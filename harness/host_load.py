@@ -94,3 +94,47 @@ def watched_threads(worker: threading.Thread):
         return keys
 
     return threads
+
+
+def _busy_ticks() -> int:
+    """CPU ticks the whole host spent busy (every CPU; steal included: a hypervisor's other guests)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return user + nice + system + irq + softirq + steal
+
+
+def _tree_ticks(root: int) -> int:
+    """CPU ticks (user + system) of `root` and every live descendant: this run's own work (its rank
+    processes are forks of a fork server it started, so descendants too)."""
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += int(fields[11]) + int(fields[12])
+        for task in _tasks(pid):
+            try:
+                todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+            except OSError:
+                pass
+    return total
+
+
+class OtherLoad:
+    """How many CPUs' worth of work other jobs ran on this host over an interval: the host's busy time
+    (/proc/stat) less this process tree's own (/proc/<pid>/stat of it and its descendants). A throughput
+    row measured while others took half a CPU or more is not evidence about the path (harness.bench)."""
+
+    def __init__(self):
+        self._t, self._host, self._ours = time.monotonic(), _busy_ticks(), _tree_ticks(os.getpid())
+
+    def cores(self) -> float:
+        """Other jobs' CPUs in use, on average, since this was made (0.0 where /proc says nothing)."""
+        wall = time.monotonic() - self._t
+        if wall <= 0:
+            return 0.0
+        others = (_busy_ticks() - self._host) - (_tree_ticks(os.getpid()) - self._ours)
+        return max(0.0, others * _TICK_S / wall)

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from harness.bench import DEFAULT_CHANGED, SyncRow, gate_failures
+from harness.bench import DEFAULT_CHANGED, SyncRow, busy_rows, gate_failures
 from harness.report import environment, throughput_section
 from harness.throughput_model import fit_paths
 
@@ -221,15 +221,17 @@ def write_perf_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     failed = gate_failures(rows)  # every row: a bucket row with #wrong > 0 fails the run too
+    busy = busy_rows(rows)  # missed their floors while other jobs took the host's CPUs: not judged
     swept_buckets = [r for r in rows if r.bucket_bytes]
     everything, rows = rows, [r for r in rows if not r.bucket_bytes]  # the other tables: own units only
     crossover_lines, crossover = crossover_table(rows)
     data = {
-        "verdict": "FAIL" if failed else "PASS",
+        "verdict": "FAIL" if failed else "COULD NOT DECIDE" if busy else "PASS",
         "command": command,
         "environment": env,
         "generated_at": generated_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "failed": failed,
+        "undecided": busy,
         "delta_crossover": crossover,
         "rows": [r.to_json() for r in everything],
         "fits": [f.to_json() for f in fit_paths(everything)],

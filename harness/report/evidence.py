@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from harness.bench import busy_rows, judged_failed
 from harness.report.counts import VERDICT_NAMES, rest_note
 
 # test module -> the invariant of DESIGN.md it checks
@@ -176,7 +177,7 @@ def decide(
     for backend, res in (faults or {}).items():
         _judge_suite(f"faults {backend}", res, decision, must_show=False)
     for r in rows or []:
-        if not r.passed:
+        if judged_failed(r):
             decision.failed.append(
                 f"throughput {r.path} {r.receivers}rx {r.size_bytes} B: {r.verdict} "
                 f"(#wrong {r.wrong}, {r.time_s * 1e3:.2f} ms where {r.allowed_s * 1e3:.2f} ms is allowed: "
@@ -184,10 +185,13 @@ def decide(
             )
     from harness.throughput_model import fit_paths
 
+    busy = {(r.path, r.receivers) for r in rows or [] if r.host_busy}
     for fit in fit_paths(rows or []):
-        decision.failed += [
-            f"throughput {fit.path} {fit.receivers}rx fitted: {why}" for why in fit.failures()
-        ]
+        if (fit.path, fit.receivers) not in busy:
+            decision.failed += [
+                f"throughput {fit.path} {fit.receivers}rx fitted: {why}" for why in fit.failures()
+            ]
+    decision.undecided += busy_rows(rows or [])  # missed their floors while other jobs took the CPUs
     decision.undecided += list(missing)
     if not results and not faults and not rows:
         decision.undecided.append("no evidence: nothing was run")

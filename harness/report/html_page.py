@@ -184,7 +184,15 @@ def _throughput_parts(data: dict, rows: list, out_dir: Path) -> list[str]:
     body = []
     for r in rows:
         *cells, verdict = throughput_cells(r)
-        css = "fail" if not r.passed else "ok" if verdict == "ok" else "unknown"
+        css = (
+            "unknown"
+            if verdict == "host busy"
+            else "fail"
+            if not r.passed
+            else "ok"
+            if verdict == "ok"
+            else "unknown"
+        )
         body.append([*cells, f'<td class="{css}">{_e(verdict)}</td>'])
     parts.append(_table(list(THROUGHPUT_COLUMNS), body, numeric_from=1))
     from harness.throughput_model import FIT_COLUMNS, fit_cells, fit_paths
