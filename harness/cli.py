@@ -220,7 +220,7 @@ def measure_backend(
 
     task = f"throughput {name} ({rx} receiver(s))"
     total = len(args.sizes_mib) + 1
-    progress.start(task, total, "rows", now="deploying")
+    progress.start(task, total, "rows", now="deploying", each_unit=True)
     t0 = time.monotonic()
     try:
         measured = measure_sync(
@@ -405,7 +405,7 @@ def bench(args: argparse.Namespace, stop=None) -> int:
     planned = sum(len(plan) for plan in bench_plan(backends, args))
     try:
         with Progress(console) as progress:
-            progress.start("bench", planned, "rows", now="deploying")
+            progress.start("bench", planned, "rows", now="deploying", each_unit=True)
             for name, backend, plan in zip(args.backend, backends, bench_plan(backends, args), strict=True):
                 first = len(rows)
                 rows += bench_backend(backend, plan, args, floors, engine, progress, len(rows))

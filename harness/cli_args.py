@@ -156,12 +156,13 @@ def device(text: str) -> str:
 
 def ranks(text: str) -> list[int]:
     """A type: 'N', 'N-M' (N <= M) or a comma-separated list of them -> rank numbers, each listed once."""
+    allowed = "ranks as N, N-M (N <= M) or a comma-separated list of them, each rank once, e.g. 0,2-3"
     out: list[int] = []
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and (not hi.isdigit() or int(hi) < int(lo))):
-            raise _refuse(text, "ranks as N, N-M (N <= M) or a comma-separated list of them, e.g. 0,2-3")
+            raise _refuse(text, allowed)
         out += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
     if len(set(out)) != len(out):
-        raise _refuse(text, "each rank listed once")
+        raise _refuse(text, allowed)
     return out

@@ -2,8 +2,8 @@
 what runs now, how much is done of how much, and an estimate of what is left.
 
 On a terminal it is a rich live display, one line per task; where the output is not a terminal, or CI=true,
-it is plain lines (a line when a task starts, then at most one every `every_s` per task, and one when it
-ends), so a log keeps them without escape codes. Lines are printed whole (soft_wrap): a log path is never cut
+it is plain lines (a line when a task starts, then one every `every_s`, or each time one more unit is
+done where the task asks, and one when it ends), so a log keeps them without escape codes. Lines are printed whole (soft_wrap): a log path is never cut
 across two lines."""
 
 from __future__ import annotations
@@ -43,12 +43,14 @@ class _Task:
     now: str = ""
     t0: float = field(default_factory=time.monotonic)
     printed_at: float = 0.0
+    printed_done: float = 0.0
+    each_unit: bool = False
     rich_id: int | None = None
 
 
 class Progress:
-    """Tasks by name: `start`, then `update` as often as wanted (a plain line is printed at most every
-    `every_s`), then `finish` with a summary line printed in either mode."""
+    """Tasks by name: `start`, then `update` as often as wanted (plain lines are printed as the module says),
+    then `finish` with a summary line printed in either mode."""
 
     def __init__(self, console: Console, every_s: float = 15.0, plain: bool | None = None):
         self.console, self.every_s = console, every_s
@@ -74,8 +76,12 @@ class Progress:
             self._live.stop()
             self._live = None
 
-    def start(self, name: str, total: float | None, unit: str, now: str = "") -> None:
-        task = self._tasks[name] = _Task(total, unit, now=now)
+    def start(
+        self, name: str, total: float | None, unit: str, now: str = "", each_unit: bool = False
+    ) -> None:
+        """A task of `total` `unit`s (None: not known yet); `each_unit`: a plain line each time one more is
+        done (throughput rows; not tests, which come by the hundred)."""
+        task = self._tasks[name] = _Task(total, unit, now=now, each_unit=each_unit)
         if self._live is not None:
             task.rich_id = self._live.add_task(escape(name), total=total, left="", now=escape(now))
         self._line(name, task, "started")
@@ -87,7 +93,9 @@ class Progress:
         if self._live is not None:
             left = left_estimate(task.done, task.total, time.monotonic() - task.t0)
             self._live.update(task.rich_id, completed=done, total=task.total, left=left, now=escape(task.now))
-        elif time.monotonic() - task.printed_at >= self.every_s:
+        elif time.monotonic() - task.printed_at >= self.every_s or (
+            task.each_unit and int(done) > int(task.printed_done)
+        ):
             self._line(name, task, "")
 
     def finish(self, name: str, summary: str) -> None:
@@ -100,7 +108,7 @@ class Progress:
     def _line(self, name: str, task: _Task, state: str) -> None:
         if self._live is not None:
             return
-        task.printed_at = time.monotonic()
+        task.printed_at, task.printed_done = time.monotonic(), task.done
         elapsed = task.printed_at - task.t0
         total = f"/{task.total:g}" if task.total else ""
         text = f"{name}: {state + ', ' if state else ''}{task.done:g}{total} {task.unit}, {elapsed:.0f} s"
