@@ -31,6 +31,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -390,15 +391,22 @@ def bench(args: argparse.Namespace, stop=None) -> int:
     command = "weightsync " + shlex.join(args.argv)
     rows: list = []
     written: list[Path] = []
+    writing = threading.Lock()
 
     def write_partial(signum: int) -> None:
-        """The rows measured so far as the bundle, once (the main thread or the stop watcher, first wins)."""
-        if written:
+        """The rows measured so far as the bundle, once: the main thread unwinding, or the stop watcher when
+        the main thread is still held (it waits a second for a write under way, not longer)."""
+        if not writing.acquire(timeout=1.0):
             return
-        written.append(out)
-        why = f"stopped by {signal.Signals(signum).name} after {len(rows)} of {planned} rows"
-        report = write_perf_report(out, list(rows), command, stopped=why)
-        console.print(f"[yellow]{why}[/]; partial report: {escape(str(report))}", soft_wrap=True)
+        try:
+            if written:
+                return
+            written.append(out)
+            why = f"stopped by {signal.Signals(signum).name} after {len(rows)} of {planned} rows"
+            report = write_perf_report(out, list(rows), command, stopped=why)
+            console.print(f"[yellow]{why}[/]; partial report: {escape(str(report))}", soft_wrap=True)
+        finally:
+            writing.release()
 
     if stop is not None:
         stop.on_overrun = write_partial
@@ -407,10 +415,7 @@ def bench(args: argparse.Namespace, stop=None) -> int:
         with Progress(console) as progress:
             progress.start("bench", planned, "rows", now="deploying", each_unit=True)
             for name, backend, plan in zip(args.backend, backends, bench_plan(backends, args), strict=True):
-                first = len(rows)
-                rows += bench_backend(backend, plan, args, floors, engine, progress, len(rows))
-                for row in rows[first:]:
-                    row.backend = name  # the rerun line names the factory, not the display name
+                bench_backend(name, backend, plan, args, floors, engine, progress, rows)
             progress.finish("bench", f"bench: {len(rows)} rows measured")
     except SystemExit as exc:
         write_partial(exc.code - 128 if isinstance(exc.code, int) and exc.code > 128 else signal.SIGTERM)
@@ -454,35 +459,31 @@ def bench_plan(backends: list, args: argparse.Namespace) -> list[list[tuple]]:
 BARE = 0
 
 
-def bench_backend(backend, plan: list[tuple], args, floors, engine: str, progress, done: int) -> list:
-    """One backend's rows as planned (bench_plan), each group of one receiver count and fraction (or one
-    bucket size) measured by one measure_sync call; the rows are printed as they come."""
-    from harness.bench import DEFAULT_CHANGED, measure_sync
+def bench_backend(
+    name: str, backend, plan: list[tuple], args, floors, engine: str, progress, rows: list
+) -> None:
+    """One backend's rows as planned (bench_plan), appended to `rows` one by one as each is measured (a stop
+    writes those already there) and printed; `name` as the backend was named (the rerun line names it)."""
+    from harness.bench import measure_sync
 
-    rows: list = []
-    groups: dict[tuple, list[int]] = {}
-    for rx, fraction, size, mib in plan:
-        groups.setdefault((rx, fraction, mib), []).append(size)
     if args.bucket_mib and not backend.capabilities.buckets:
         console.print(f"{backend.name}: no bucket sweep (it does not claim the buckets capability)")
-    for (rx, fraction, mib), sizes in groups.items():
-        extra = (
-            {"bucket_bytes": mib << 20, "n_tensors": max(8, max(sizes) // SWEEP_TENSOR_BYTES)} if mib else {}
-        )
+    for rx, fraction, size, mib in plan:
+        extra = {"bucket_bytes": mib << 20, "n_tensors": max(8, size // SWEEP_TENSOR_BYTES)} if mib else {}
         rows += measure_sync(
             backend,
-            [s for s in sizes if s != BARE],
+            [] if size == BARE else [size],
             rx,
             repeats=args.repeats,
             floors=floors,
             fraction=fraction,
-            progress=row_progress(progress, "bench", args.repeats, done + len(rows)),
+            progress=row_progress(progress, "bench", args.repeats, len(rows)),
             engine=engine,
-            bare=BARE in sizes and fraction in (None, DEFAULT_CHANGED) and not mib,
+            bare=size == BARE,
             **extra,
         )
-        _print_rows(rows[-len(sizes) :])
-    return rows
+        rows[-1].backend = name
+        _print_rows(rows[-1:])
 
 
 #: The bucket sweep's payload is cut into tensors of about this size, so buckets matter: a bucket bigger
