@@ -494,7 +494,8 @@ SWEEP_TENSOR_BYTES = 1 << 20
 def _print_rows(rows: list) -> None:
     for r in rows:
         console.print(
-            f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
+            f"{r.path} {r.receivers}rx "
+            f"{'bare lifecycle' if r.size_bytes < 2**20 else f'{r.size_bytes / 2**20:.0f} MiB'}"
             f"{f' {r.changed:.1%} changed' if r.changed else ''}"
             f"{f' {r.bucket_bytes / 2**20:g} MiB buckets' if r.bucket_bytes else ''}: {r.time_s * 1e3:.1f} ms, "
             f"ratio {r.ratio:.2f}, allowed {r.allowed_s * 1e3:.1f} ms ({r.verdict}), #wrong {r.wrong}"
@@ -563,6 +564,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace, stop=None) -> int:
     """bench or certify, once the device is known to be there."""
+    console.print(
+        f"[progress] weightsync {args.command}: arguments checked; loading torch and the backends",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )  # the first second's line: torch takes seconds to import on a loaded host
     from harness.devices import check_available, set_run_device
 
     try:
