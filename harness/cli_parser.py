@@ -33,14 +33,14 @@ CERTIFY_DESCRIPTION = """\
 Certify backends against an engine: the conformance suite, the fault matrix and the throughput table, written
 as reports/certify-<stamp>/ (results.json, junit.xml, report.md, report.html). Progress shows from the first
 second: each suite part's tests done of those collected, and each backend's throughput rows, with an estimate
-of what is left. How long: 39 min for every built-in path on the 2-core CI runner under load, --quick 8-10
-min, 9 min on one H200 (README). Ctrl-C or SIGTERM stops it within 10 s; --resume finishes the bundle."""
+of what is left. How long (README): 10 min for every built-in path on the 2-core CI runner under load, --quick
+2-3 min, 9 min on one H200. Ctrl-C or SIGTERM stops it within 10 s; --resume finishes the bundle."""
 
 BENCH_DESCRIPTION = """\
 Measure each path's sync throughput over a grid of sizes and receiver counts beside the raw transport's
 ceiling, gate it by the bandwidth floors, and write reports/bench-<stamp>/ (results.json, report.md, plots).
-Exit status: 0 PASS, 1 FAIL, 2 usage error (nothing ran). Ctrl-C or SIGTERM stops it within 10 s, writing
-the rows measured so far (verdict STOPPED)."""
+Exit status: 0 PASS, 1 FAIL, 2 usage error (nothing ran), 3 a row missed on a busy host. Ctrl-C or SIGTERM
+stops it within 10 s, writing the rows measured so far (verdict STOPPED)."""
 
 sizes_mib = cli_args.whole(1, "MiB")
 repeats = cli_args.whole(1, "repeats")
