@@ -463,21 +463,10 @@ class Floors(dict):
 
 
 def parse_floors(specs: list[str]) -> Floors:
-    """`["ipc=0.7", ...]`; a malformed one is a usage error naming it."""
-    floors = Floors()
-    for spec in specs:
-        path, sep, value = spec.partition("=")
-        try:
-            ratio = float(value)
-        except ValueError:
-            ratio = -1.0
-        if not sep or not path.strip() or not 0.0 < ratio <= 1.0:
-            raise ValueError(
-                f"floor {spec!r}: expected PATH=RATIO with RATIO in (0, 1] (a fraction of the verified "
-                "ceiling's bandwidth), e.g. ipc=0.7"
-            )
-        floors[path.strip()] = ratio
-    return floors
+    """`["ipc=0.7", ...]`; a malformed one is a usage error naming it (harness.cli_args.parse_floor)."""
+    from harness.cli_args import parse_floor
+
+    return Floors(parse_floor(spec) for spec in specs)
 
 
 @dataclasses.dataclass(frozen=True)

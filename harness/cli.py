@@ -31,6 +31,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,17 +39,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from harness.api import WeightSyncError
-from harness.devices import check_available, set_run_device
-from harness.registry import (
-    BUILTIN_BACKENDS,
-    BUILTIN_GPU_BACKENDS,
-    EXTRA_BACKENDS,
-    engine_capabilities,
-    engine_path,
-    resolve_backend,
+from harness.cli_parser import (
+    CPU_SIZES_MIB,
+    FULL_REPEATS,
+    GPU_SIZES_MIB,
+    QUICK_REPEATS,
+    QUICK_SIZES_MIB,
 )
+from harness.progress import Progress
 from harness.suite_runs import SuiteArgs, finished_suite, run_suites, slug
+
+# torch and what imports it (harness.api, devices, registry) load inside the commands, after the arguments
+# are checked: a usage error takes a fraction of a second, not the seconds torch takes to import.
 
 console = Console(stderr=True, width=max(Console(stderr=True).width, 120))
 
@@ -57,11 +59,6 @@ def _suite_dir(name: str) -> Path:
     import suites
 
     return Path(suites.__file__).parent / name
-
-
-#: certify's throughput rows: payload sizes (MiB) and repeats, and --quick's fewer
-FULL_REPEATS = 3
-QUICK_SIZES_MIB, QUICK_REPEATS = [64], 3  # one repeat failed the gate under load: a median needs three
 
 
 def default_jobs() -> int:
@@ -77,6 +74,8 @@ def throughput_engine(name: str) -> tuple[str, str]:
     (Capabilities.arbitrary_tensors false, e.g. vLLM) cannot take them, and the reference engine stands in."""
     import torch
 
+    from harness.registry import engine_capabilities, engine_path
+
     caps = engine_capabilities(name)
     if caps.arbitrary_tensors and torch.bfloat16 in caps.dtypes:
         return engine_path(name), f"throughput measured with the engine under test, {name}"
@@ -88,9 +87,13 @@ def throughput_engine(name: str) -> tuple[str, str]:
     )
 
 
-def certify(args: argparse.Namespace) -> int:
-    from harness.bench import measure_sync, parse_floors
-    from harness.report import EXIT_STATUS, write_report
+def certify(args: argparse.Namespace, stop=None) -> int:
+    """Every suite, the fault matrix and the throughput rows as one bundle and a verdict. Stopped (SIGINT,
+    SIGTERM; `stop` a harness.stopping.PromptStop): the bundle keeps what finished, and the line that
+    finishes it (--resume) is printed."""
+    from harness.api import WeightSyncError
+    from harness.bench import parse_floors
+    from harness.registry import engine_capabilities, resolve_backend
 
     # Every name is resolved before anything runs: a typo is a usage error in seconds, with no report folder.
     try:
@@ -101,13 +104,37 @@ def certify(args: argparse.Namespace) -> int:
     except (ValueError, WeightSyncError) as exc:
         console.print(f"[red]usage error:[/] {exc}")
         return 2
-    bench_engine_name = args.engine if bench_engine == engine_path(args.engine) else "reference"
     command = "weightsync " + shlex.join(args.argv)
     try:
         out, command = open_bundle(args, command)
     except ValueError as exc:
         console.print(f"[red]usage error:[/] {exc}")
         return 2
+
+    def say_resume(signum: int | None = None) -> None:
+        console.print(
+            f"[yellow]stopped[/]: the bundle keeps what finished ({escape(str(out))}/); finish it with:",
+            soft_wrap=True,
+        )
+        console.print(f"  {resume_command(args.argv, out)}", highlight=False, markup=False, soft_wrap=True)
+
+    if stop is not None:
+        stop.on_overrun = say_resume
+    try:
+        return certify_in(args, out, command, backends, floors, engine_caps, bench_engine, bench_note)
+    except (SystemExit, KeyboardInterrupt):
+        say_resume()
+        raise
+
+
+def certify_in(
+    args, out: Path, command: str, backends: dict, floors, engine_caps, bench_engine, bench_note
+) -> int:
+    """certify once its bundle is open: the suites side by side, the throughput rows, the report."""
+    from harness.registry import EXTRA_BACKENDS, engine_path
+    from harness.report import EXIT_STATUS, write_report
+
+    bench_engine_name = args.engine if bench_engine == engine_path(args.engine) else "reference"
     names = list(backends)
     fault_names = [] if args.no_faults else names + (list(EXTRA_BACKENDS) if args.default_selection else [])
     # the suites first, side by side (what --resume finds finished is reused), the throughput rows alone after
@@ -123,40 +150,17 @@ def certify(args: argparse.Namespace) -> int:
     results = {n: results.get(n) or ran[0][n] for n in names}
     faults = {n: faults.get(n) or ran[1][n] for n in fault_names}
     rows, missing = [], []
-    for name, backend in backends.items():
-        if not args.no_bench and (done := finished_rows(out, name)) is not None:
-            rows += done
-        elif not args.no_bench:
-            limit = engine_caps.max_receivers if bench_engine_name == args.engine else 2
-            rx = 2 if backend.capabilities.multi_receiver and limit >= 2 else 1
-            t0 = time.monotonic()
-            with console.status(f"[bold]throughput[/] {name}: {rx} receiver(s) ...") as status:
-                try:
-                    measured = measure_sync(
-                        backend,
-                        [s << 20 for s in args.sizes_mib],
-                        rx,
-                        repeats=args.repeats,
-                        floors=floors,
-                        progress=lambda msg: status.update(f"[bold]throughput[/] {msg}"),
-                        engine=bench_engine,
-                        bare=True,
-                    )
-                except Exception as exc:  # noqa: BLE001 - a measurement that raised is missing evidence
-                    missing.append(f"throughput {name}: not measured ({type(exc).__name__}: {exc})")
-                    console.print(
-                        f"[red]throughput {name} raised:[/] {escape(f'{type(exc).__name__}: {exc}')}"
-                    )
-                else:
-                    for row in measured:
-                        row.backend = name  # the rerun line names the factory, not the display name
+    with Progress(console) as progress:
+        for name, backend in backends.items():
+            if not args.no_bench and (done := finished_rows(out, name)) is not None:
+                rows += done
+            elif not args.no_bench:
+                limit = engine_caps.max_receivers if bench_engine_name == args.engine else 2
+                rx = 2 if backend.capabilities.multi_receiver and limit >= 2 else 1
+                measured = measure_backend(name, backend, args, rx, floors, bench_engine, progress, missing)
+                if measured is not None:
                     rows += measured
                     keep_rows(out, name, measured)
-                    console.print(
-                        f"throughput {name}: {len(measured)} rows ({rx} receiver(s)) in "
-                        f"{time.monotonic() - t0:.0f}s",
-                        highlight=False,
-                    )
     report = write_report(
         out,
         results,
@@ -200,11 +204,60 @@ def certify(args: argparse.Namespace) -> int:
             markup=False,
         )
     console.print(
-        f"[bold {colour}]{escape(data['verdict_label'])}[/] (exit {data['exit_status']}) bundle: {out}/",
+        f"[bold {colour}]{escape(data['verdict_label'])}[/] (exit {data['exit_status']}) bundle: {escape(str(out))}/",
         highlight=False,
+        soft_wrap=True,
     )
     print(report)
     return EXIT_STATUS[verdict]
+
+
+def measure_backend(
+    name, backend, args, rx: int, floors, engine: str, progress, missing: list
+) -> list | None:
+    """certify's throughput rows of one backend (a bare-lifecycle row, then each size), shown as they go;
+    None, with the reason added to `missing`, where the measurement raised."""
+    from harness.bench import measure_sync
+
+    task = f"throughput {name} ({rx} receiver(s))"
+    total = len(args.sizes_mib) + 1
+    progress.start(task, total, "rows", now="deploying", each_unit=True)
+    t0 = time.monotonic()
+    try:
+        measured = measure_sync(
+            backend,
+            [s << 20 for s in args.sizes_mib],
+            rx,
+            repeats=args.repeats,
+            floors=floors,
+            progress=row_progress(progress, task, args.repeats),
+            engine=engine,
+            bare=True,
+        )
+    except Exception as exc:  # noqa: BLE001 - a measurement that raised is missing evidence
+        missing.append(f"throughput {name}: not measured ({type(exc).__name__}: {exc})")
+        progress.finish(task, f"throughput {name} raised: {type(exc).__name__}: {exc}")
+        return None
+    for row in measured:
+        row.backend = name  # the rerun line names the factory, not the display name
+    progress.finish(
+        task, f"throughput {name}: {len(measured)} rows ({rx} receiver(s)) in {time.monotonic() - t0:.0f}s"
+    )
+    return measured
+
+
+def row_progress(progress, task: str, repeats: int, first_row: int = 0):
+    """measure_sync's progress callback as a task's progress: each message names a repeat, i/repeats; rows
+    done count in fractions of a row as its repeats go."""
+    seen = {"row": first_row - 1}
+
+    def update(message: str) -> None:
+        repeat = message.rpartition(", repeat ")[2]
+        i = int(repeat.split("/")[0]) if repeat[:1].isdigit() else 1
+        seen["row"] += i == 1  # every row begins with its first repeat
+        progress.update(task, seen["row"] + (i - 1) / repeats, now=message)
+
+    return update
 
 
 def full_run_command(argv: list[str]) -> str:
@@ -219,6 +272,19 @@ def full_run_command(argv: list[str]) -> str:
         elif arg != "--quick" and not arg.startswith("--resume="):
             keep.append(arg)
     return "weightsync " + shlex.join(keep)
+
+
+def resume_command(argv: list[str], out: Path) -> str:
+    """The certify command that finishes the bundle `out`: the same arguments, --resume out."""
+    keep, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            keep.append(arg)
+    return "weightsync " + shlex.join([*keep, "--resume", str(out)])
 
 
 #: What a resumed certify must share with the run that began the bundle: the same evidence, asked the same way.
@@ -301,63 +367,123 @@ def fit_table(rows: list) -> Table:
     return fits
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace, stop=None) -> int:
     """The throughput table, its breakdown and the scaling tables over a grid of sizes and receiver
     counts (and changed fractions for delta paths, bucket sizes with --bucket-mib), gated like certify's,
-    as reports/bench-<stamp>/."""
-    from harness.bench import DEFAULT_CHANGED, measure_sync, parse_floors
+    as reports/bench-<stamp>/. Stopped (SIGINT, SIGTERM; `stop` a harness.stopping.PromptStop): the rows
+    measured so far are written as a partial bundle, its verdict STOPPED."""
+    from harness.api import WeightSyncError
+    from harness.bench import parse_floors
     from harness.perf_report import write_perf_report
+    from harness.registry import engine_path, resolve_backend
 
     try:
         floors = parse_floors(args.floor)
         backends = [resolve_backend(name) for name in args.backend]
         engine, note = throughput_engine(args.engine)
-        if any(mib <= 0 for mib in args.bucket_mib):
-            raise ValueError(
-                f"--bucket-mib {args.bucket_mib}: every bucket size must be a positive MiB count"
-            )
     except (ValueError, WeightSyncError) as exc:
-        console.print(f"[red]{exc}[/]")
+        console.print(f"[red]usage error:[/] {escape(str(exc))}")
         return 2
     if engine != engine_path(args.engine):
         console.print(f"[red]usage error:[/] {note}")
         return 2
     out = Path(args.out) / f"bench-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    sizes = [s << 20 for s in args.sizes_mib]
-    rows = []
-    for name, backend in zip(args.backend, backends, strict=True):
-        first = len(rows)
-        counts = [n for n in args.receivers if n == 1 or backend.capabilities.multi_receiver]
-        for rx in counts:  # the delta sweep runs at the first receiver count only
-            fractions = args.delta_fractions if backend.capabilities.delta and rx == counts[0] else [None]
-            for fraction in fractions:
-                done = len(rows)
-                with console.status(f"[bold]bench[/] {backend.name} ...") as status:
-                    rows += measure_sync(
-                        backend,
-                        sizes if fraction in (None, DEFAULT_CHANGED) else sizes[-1:],
-                        rx,
-                        repeats=args.repeats,
-                        floors=floors,
-                        fraction=fraction,
-                        progress=lambda msg: status.update(f"[bold]bench[/] {msg}"),
-                        engine=engine,
-                        bare=fraction in (None, DEFAULT_CHANGED),
-                    )
-                _print_rows(rows[done:])
-        if args.bucket_mib and not backend.capabilities.buckets:
-            console.print(f"{backend.name}: no bucket sweep (it does not claim the buckets capability)")
-        elif args.bucket_mib and counts:
-            done = len(rows)
-            rows += bucket_sweep(backend, max(sizes), min(counts), args, floors, engine)
-            _print_rows(rows[done:])
-        for row in rows[first:]:
-            row.backend = name  # the rerun line names the factory, not the display name
-    report = write_perf_report(out, rows, "weightsync " + shlex.join(args.argv))
+    command = "weightsync " + shlex.join(args.argv)
+    rows: list = []
+    written: list[Path] = []
+    writing = threading.Lock()
+
+    def write_partial(signum: int) -> None:
+        """The rows measured so far as the bundle, once: the main thread unwinding, or the stop watcher when
+        the main thread is still held (it waits a second for a write under way, not longer)."""
+        if not writing.acquire(timeout=1.0):
+            return
+        try:
+            if written:
+                return
+            written.append(out)
+            why = f"stopped by {signal.Signals(signum).name} after {len(rows)} of {planned} rows"
+            report = write_perf_report(out, list(rows), command, stopped=why)
+            console.print(f"[yellow]{why}[/]; partial report: {escape(str(report))}", soft_wrap=True)
+        finally:
+            writing.release()
+
+    if stop is not None:
+        stop.on_overrun = write_partial
+    planned = sum(len(plan) for plan in bench_plan(backends, args))
+    try:
+        with Progress(console) as progress:
+            progress.start("bench", planned, "rows", now="deploying", each_unit=True)
+            for name, backend, plan in zip(args.backend, backends, bench_plan(backends, args), strict=True):
+                bench_backend(name, backend, plan, args, floors, engine, progress, rows)
+            progress.finish("bench", f"bench: {len(rows)} rows measured")
+    except SystemExit as exc:
+        write_partial(exc.code - 128 if isinstance(exc.code, int) and exc.code > 128 else signal.SIGTERM)
+        raise
+    report = write_perf_report(out, rows, command)
     verdict = json.loads((out / "results.json").read_text())["verdict"]
-    console.print(f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/] report: {report}")
+    console.print(
+        f"[bold {'green' if verdict == 'PASS' else 'red'}]{verdict}[/] report: {escape(str(report))}",
+        soft_wrap=True,
+    )
     print(report)
     return {"PASS": 0, "FAIL": 1}.get(verdict, 3)
+
+
+def bench_plan(backends: list, args: argparse.Namespace) -> list[list[tuple]]:
+    """Per backend, its rows in the order bench measures them: (receivers, changed fraction, sizes in bytes,
+    bucket MiB or None). The delta sweep runs at the first receiver count only; the bucket sweep at the
+    largest size and the fewest receivers, for a path that claims buckets."""
+    from harness.bench import DEFAULT_CHANGED
+
+    sizes = [s << 20 for s in args.sizes_mib]
+    plans = []
+    for backend in backends:
+        counts = [n for n in args.receivers if n == 1 or backend.capabilities.multi_receiver]
+        plan = []
+        for rx in counts:
+            fractions = args.delta_fractions if backend.capabilities.delta and rx == counts[0] else [None]
+            for fraction in fractions:
+                full = fraction in (None, DEFAULT_CHANGED)
+                plan += [
+                    (rx, fraction, size, None)
+                    for size in ([BARE] if full else []) + (sizes if full else sizes[-1:])
+                ]
+        if args.bucket_mib and backend.capabilities.buckets and counts:
+            plan += [(min(counts), None, max(sizes), mib) for mib in args.bucket_mib]
+        plans.append(plan)
+    return plans
+
+
+#: A bare-lifecycle row in a bench plan (measure_sync adds it where `bare`).
+BARE = 0
+
+
+def bench_backend(
+    name: str, backend, plan: list[tuple], args, floors, engine: str, progress, rows: list
+) -> None:
+    """One backend's rows as planned (bench_plan), appended to `rows` one by one as each is measured (a stop
+    writes those already there) and printed; `name` as the backend was named (the rerun line names it)."""
+    from harness.bench import measure_sync
+
+    if args.bucket_mib and not backend.capabilities.buckets:
+        console.print(f"{backend.name}: no bucket sweep (it does not claim the buckets capability)")
+    for rx, fraction, size, mib in plan:
+        extra = {"bucket_bytes": mib << 20, "n_tensors": max(8, size // SWEEP_TENSOR_BYTES)} if mib else {}
+        rows += measure_sync(
+            backend,
+            [] if size == BARE else [size],
+            rx,
+            repeats=args.repeats,
+            floors=floors,
+            fraction=fraction,
+            progress=row_progress(progress, "bench", args.repeats, len(rows)),
+            engine=engine,
+            bare=size == BARE,
+            **extra,
+        )
+        rows[-1].backend = name
+        _print_rows(rows[-1:])
 
 
 #: The bucket sweep's payload is cut into tensors of about this size, so buckets matter: a bucket bigger
@@ -365,48 +491,15 @@ def bench(args: argparse.Namespace) -> int:
 SWEEP_TENSOR_BYTES = 1 << 20
 
 
-def bucket_sweep(backend, size: int, rx: int, args: argparse.Namespace, floors, engine: str) -> list:
-    """One row per --bucket-mib at the largest size and the fewest receivers, over a payload of
-    ~1 MiB tensors (measured, not gated)."""
-    from harness.bench import measure_sync
-
-    rows = []
-    for mib in args.bucket_mib:
-        with console.status(f"[bold]bench[/] {backend.name} {mib} MiB buckets ...") as status:
-            rows += measure_sync(
-                backend,
-                [size],
-                rx,
-                repeats=args.repeats,
-                floors=floors,
-                progress=lambda msg: status.update(f"[bold]bench[/] {msg}"),
-                engine=engine,
-                bucket_bytes=mib << 20,
-                n_tensors=max(8, size // SWEEP_TENSOR_BYTES),
-            )
-    return rows
-
-
 def _print_rows(rows: list) -> None:
     for r in rows:
         console.print(
-            f"{r.path} {r.receivers}rx {r.size_bytes / 2**20:.0f} MiB"
+            f"{r.path} {r.receivers}rx "
+            f"{'bare lifecycle' if r.size_bytes < 2**20 else f'{r.size_bytes / 2**20:.0f} MiB'}"
             f"{f' {r.changed:.1%} changed' if r.changed else ''}"
             f"{f' {r.bucket_bytes / 2**20:g} MiB buckets' if r.bucket_bytes else ''}: {r.time_s * 1e3:.1f} ms, "
             f"ratio {r.ratio:.2f}, allowed {r.allowed_s * 1e3:.1f} ms ({r.verdict}), #wrong {r.wrong}"
         )
-
-
-DEVICE_HELP = (
-    "where the trainer's weights and the engines live: cpu (default) or a GPU (cuda, cuda:0); on a GPU each "
-    "built-in path runs its GPU variant, engines are built on that device, and throughput is gated against "
-    "the GPU's verified ceiling (docs/performance.md)"
-)
-
-#: Throughput sizes when none are named: from where the fixed cost dominates to where the bytes do (a bare
-#: lifecycle row is added to them). A GPU moves 64 MiB in tens of microseconds: its sizes reach 4 GiB.
-CPU_SIZES_MIB = FULL_SIZES_MIB = (1, 16, 64)
-GPU_SIZES_MIB = (64, 1024, 4096)
 
 
 def default_sizes_mib(device: str) -> list[int]:
@@ -424,26 +517,14 @@ def default_sizes_mib(device: str) -> list[int]:
 def default_backends(device: str) -> list[str]:
     """Every built-in path on the CPU; on a GPU, the GPU variants this host can run (the NCCL ones need a
     GPU per rank: at least two)."""
+    from harness.registry import BUILTIN_BACKENDS, BUILTIN_GPU_BACKENDS
+
     if device == "cpu":
         return list(BUILTIN_BACKENDS)
     import torch
 
     one_gpu = torch.cuda.device_count() < 2
     return [n for n, path in BUILTIN_GPU_BACKENDS.items() if not (one_gpu and "nccl" in path)]
-
-
-def add_cost_parser(sub) -> None:
-    """`weightsync cost`; its options live in harness/cost.py, beside the arithmetic they feed."""
-    from harness.cost import DESCRIPTION, add_arguments
-
-    add_arguments(
-        sub.add_parser(
-            "cost",
-            help="sync overhead per step and per run (GPU-hours, money); collocated vs disaggregated placement",
-            description=DESCRIPTION,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-    )
 
 
 def cost(args: argparse.Namespace) -> int:
@@ -454,172 +535,58 @@ def cost(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`weightsync ...`: every argument is checked before anything runs (a usage error exits 2 at once, no
+    folder written); run as the command itself, SIGINT and SIGTERM end it within harness.stopping.STOP_BOUND_S."""
+    from harness.cli_parser import build_parser
+
     usage, _, exits = __doc__.partition("Exit status")
-    parser = argparse.ArgumentParser(
-        prog="weightsync",
-        description=usage,
-        epilog="Exit status" + exits,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser(
-        "certify",
-        help="run the conformance suite, the fault matrix and the throughput table; write a report bundle",
-        description="Certify backends against an engine; writes reports/certify-<stamp>/ (results.json, "
-        "junit.xml, report.md, report.html).",
-        epilog="Exit status" + exits,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    c.add_argument(
-        "--backend",
-        action="append",
-        help="built-in name or pkg.module:factory (repeatable; default: every built-in path)",
-    )
-    c.add_argument("--engine", default="reference", help="engine factory (default: reference)")
-    c.add_argument(
-        "--receivers", default="auto", help="receiver counts for multi-receiver tests (default: auto)"
-    )
-    c.add_argument(
-        "--profile", default=os.environ.get("WEIGHTSYNC_HYPOTHESIS_PROFILE", "ci"), choices=["ci", "thorough"]
-    )
-    c.add_argument("--out", default="reports", help="report directory (default: reports/)")
-    c.add_argument(
-        "--sizes-mib",
-        type=int,
-        nargs="+",
-        default=None,
-        help=f"throughput payload sizes, MiB (default: {' '.join(map(str, FULL_SIZES_MIB))} on a CPU, "
-        f"{' '.join(map(str, GPU_SIZES_MIB))} on a GPU cut to its memory; with --quick "
-        f"{' '.join(map(str, QUICK_SIZES_MIB))}); a bare-lifecycle row (an empty payload) is added, and each "
-        "path's time is fitted as fixed + bytes / bandwidth over them",
-    )
-    c.add_argument(
-        "--repeats", type=int, default=None, help=f"default {FULL_REPEATS}; with --quick {QUICK_REPEATS}"
-    )
-    c.add_argument(
-        "--quick",
-        action="store_true",
-        help="a first look: each fault's first point at one seed (the control column: its own faults), the "
-        "conformance tests under a second (those marked not_quick are left out), each at the fewest "
-        f"receivers, throughput at {' '.join(map(str, QUICK_SIZES_MIB))} MiB x {QUICK_REPEATS}; the report "
-        "names what it left out and the command of the full run, and its verdict reads PASS (quick) (exit "
-        "status as ever: 0)",
-    )
-    c.add_argument(
-        "-j",
-        "--jobs",
-        default="auto",
-        help="pytest-xdist workers per suite: auto (default: min(cores // 2, 8) from 4 cores up, else 1), "
-        "or N; 1 runs every test one at a time (no xdist). Tests marked serial (a deadline or a throughput "
-        "against a bound) run after the rest, alone",
-    )
-    c.add_argument("--no-bench", action="store_true", help="skip the throughput table")
-    c.add_argument(
-        "--floor",
-        action="append",
-        default=[],
-        metavar="PATH=RATIO",
-        help="bandwidth floor of a path: the fraction of its verified ceiling's bandwidth it must reach "
-        "(repeatable; default: what the backend declares, else its ceiling kind's in "
-        "harness.bench.DEFAULT_FLOORS; see docs/performance.md)",
-    )
-    c.add_argument("--no-faults", action="store_true", help="skip the fault matrix (suites/faults)")
-    c.add_argument(
-        "--xfails-file",
-        default=None,
-        help="known failures of the code under test, one test id per line with '# reason' (as pytest's "
-        "--weightsync-xfails-file): listed in the report as known, not failing the verdict; one that passes "
-        "(fixed upstream) fails it",
-    )
-    c.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    c.add_argument(
-        "--resume",
-        metavar="BUNDLE",
-        default=None,
-        help="finish a certify run that was stopped (a job's time limit): reopen its bundle folder, reuse "
-        "each suite it finished and the throughput rows it measured, run what is missing, write the report "
-        "there; the other arguments must be those of the run that began it",
-    )
-    b = sub.add_parser(
-        "bench", help="throughput, breakdown and scaling tables with plots; gated by ratio floors"
-    )
-    b.add_argument(
-        "--backend",
-        action="append",
-        help="built-in name or pkg.module:factory (default: every built-in path)",
-    )
-    b.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256])
-    b.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 3])
-    b.add_argument(
-        "--delta-fractions",
-        type=float,
-        nargs="+",
-        default=[0.001, 0.01, 0.05, 0.25, 0.5],
-        help="changed fractions for delta paths (the crossover sweep: largest size, fewest receivers)",
-    )
-    b.add_argument(
-        "--bucket-mib",
-        type=int,
-        nargs="+",
-        default=[],
-        metavar="MIB",
-        help="bucket sizes to sweep, e.g. 16 64 256 1024: per path with buckets, at the largest size and "
-        "the fewest receivers, over ~1 MiB tensors (default: no bucket sweep)",
-    )
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument(
-        "--engine",
-        default="reference",
-        help="engine factory of the receivers; it must take any bf16 payload (default: reference)",
-    )
-    b.add_argument("--floor", action="append", default=[], metavar="PATH=RATIO")
-    b.add_argument("--out", default="reports")
-    b.add_argument("--device", default="cpu", help=DEVICE_HELP)
-    add_cost_parser(sub)
-    sub.add_parser(
-        "validate-cluster",
-        help="under torchrun on every node: every trainer->rollout link and broadcast against the fabric's "
-        "rating, a conformance smoke, a verdict (harness.validate_cluster; its own --help)",
-        add_help=False,
-    )
+    parser = build_parser(usage, "Exit status" + exits)
     from_command_line = argv is None  # the command itself, not a caller's process (a test's main([...]))
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["validate-cluster"]:  # its options are its module's own (every rank parses them)
-        from harness.validate_cluster import main as validate_cluster
+        from harness.cluster_args import parse
 
-        return validate_cluster(argv[1:])
+        cluster_args = parse(argv[1:])  # exits 2 outside torchrun, or for a value refused
+        from harness.validate_cluster import run as validate_cluster
+
+        return validate_cluster(cluster_args, argv[1:], stoppable=from_command_line)
     args = parser.parse_args(argv)
     args.argv = argv  # the report names the command as it was given
     if args.command == "cost":  # arithmetic only: no device, no suite
         return cost(args)
-    if from_command_line:  # a supervisor's SIGTERM (`timeout`, a job's time limit)
-        # unwinds like Ctrl-C, so a running suite is stopped and its hung test recorded
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if not from_command_line:
+        return run_command(args)
+    from harness.stopping import PromptStop
+
+    with PromptStop() as stop:  # a supervisor's SIGTERM (`timeout`, a job's time limit) stops it like Ctrl-C
+        return run_command(args, stop)
+
+
+def run_command(args: argparse.Namespace, stop=None) -> int:
+    """bench or certify, once the device is known to be there."""
+    console.print(
+        f"[progress] weightsync {args.command}: arguments checked; loading torch and the backends",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )  # the first second's line: torch takes seconds to import on a loaded host
+    from harness.devices import check_available, set_run_device
+
     try:
         device = set_run_device(args.device)
         check_available(device)
     except ValueError as exc:
-        console.print(f"[red]usage error:[/] {exc}")
+        console.print(f"[red]usage error:[/] {escape(str(exc))}")
         return 2
     if args.command == "bench":
         args.backend = args.backend or default_backends(device)
-        return bench(args)
-    if args.command == "certify":
-        args.default_selection = not args.backend
-        args.backend = args.backend or default_backends(device)
-        try:
-            args.jobs = default_jobs() if args.jobs == "auto" else int(args.jobs)
-            if args.jobs < 1:
-                raise ValueError
-        except ValueError:
-            console.print(
-                f"[red]usage error:[/] --jobs {args.jobs}: 'auto' or a whole number of workers, 1 or more"
-            )
-            return 2
-        args.sizes_mib = args.sizes_mib or (QUICK_SIZES_MIB if args.quick else default_sizes_mib(device))
-        args.repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
-        return certify(args)
-    return 2
+        return bench(args, stop)
+    args.default_selection = not args.backend
+    args.backend = args.backend or default_backends(device)
+    args.jobs = default_jobs() if args.jobs == "auto" else args.jobs
+    args.sizes_mib = args.sizes_mib or (QUICK_SIZES_MIB if args.quick else default_sizes_mib(device))
+    args.repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
+    return certify(args, stop)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,6 @@ Two answers, each with its arithmetic printed line by line:
 
 Units: model and throughput figures are decimal (GB = 1e9 B, GB/s; a fabric's Gb/s / 8 = GB/s), as
 results.json and NIC ratings are; GPU memory is binary (GiB = 2**30 B), as torch reports it.
-
-Why one file: the cost arithmetic, the placement advice and the worked examples use the same figures and must
-show the same arithmetic; the command's output is built from them in order.
 """
 
 from __future__ import annotations
@@ -48,6 +45,9 @@ DEFAULT_KV_GIB = 16.0
 RL_CHANGED = 0.01
 
 DESCRIPTION = __doc__
+
+# Why one file: the cost arithmetic, the placement advice and the worked examples use the same figures and
+# must show the same arithmetic; the command's output is built from them in order.
 
 
 class CostInputError(ValueError):

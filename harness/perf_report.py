@@ -216,8 +216,10 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
 
 
 def write_perf_report(
-    out_dir: Path, rows: list[SyncRow], command: str, generated_at: str | None = None
+    out_dir: Path, rows: list[SyncRow], command: str, generated_at: str | None = None, stopped: str = ""
 ) -> Path:
+    """bench's bundle: results.json, report.md and the plots. `stopped`: why the run ended early; the rows
+    are those measured before, and the verdict is STOPPED (never PASS: rows are missing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     failed = gate_failures(rows)  # every row: a bucket row with #wrong > 0 fails the run too
@@ -226,7 +228,8 @@ def write_perf_report(
     everything, rows = rows, [r for r in rows if not r.bucket_bytes]  # the other tables: own units only
     crossover_lines, crossover = crossover_table(rows)
     data = {
-        "verdict": "FAIL" if failed else "COULD NOT DECIDE" if busy else "PASS",
+        "verdict": "FAIL" if failed else "STOPPED" if stopped else "COULD NOT DECIDE" if busy else "PASS",
+        **({"stopped": stopped} if stopped else {}),
         "command": command,
         "environment": env,
         "generated_at": generated_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -242,6 +245,11 @@ def write_perf_report(
         f"# weightsync bench: {data['verdict']}",
         "",
         f"- command: `{command}`",
+        *(
+            [f"- **{stopped}**: the rows below are those measured before; the rest were not."]
+            if stopped
+            else []
+        ),
         f"- generated: {data['generated_at']} on `{env['host']}` ({env['platform']}, {env['cpus']} CPUs, "
         f"torch {env['torch']})",
         "",

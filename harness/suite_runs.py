@@ -17,8 +17,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from harness.devices import run_device
-
 #: The torchrun launch: it tests the launcher with BroadcastBackend, whatever is selected.
 BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
 #: Tests that bring their own ranks over gloo and use no selected backend (the resharded sync): run once,
@@ -92,6 +90,8 @@ class Part:
             cmd.append("--weightsync-quick")
         if run.xfails_file:
             cmd.append(f"--weightsync-xfails-file={Path(run.xfails_file).resolve()}")
+        from harness.devices import run_device  # torch: imported once a run goes ahead
+
         if run_device() != "cpu":  # the rerun commands name it too
             cmd.append(f"--weightsync-device={run_device()}")
         if self.marks:
@@ -118,52 +118,67 @@ def plan_parts(conformance: list[str], faults: list[str], jobs: int) -> tuple[li
 
 
 def run_parts(parts: list[Part], run: SuiteArgs, console: Console) -> dict[str, dict]:
-    """Start every part at once and wait for all of them, showing what each has done; their results by
-    name. certify stopped (SIGTERM, Ctrl-C): each part is stopped the same way, then the stop goes on."""
+    """Start every part at once and wait for all of them, showing what each runs now, its tests done of
+    those collected and an estimate of what is left (harness.progress); their results by name. Each part is
+    a process group of its own (pytest and the ranks its tests start). certify stopped (SIGTERM, Ctrl-C):
+    every part is stopped at once, its group killed after STOP_GRACE_S, then the stop goes on."""
+    from harness.progress import Progress
+
     started = []
-    for part in parts:
-        log = open(part.log(run.out), "w")  # noqa: SIM115 - closed below, after the part ends
-        proc = subprocess.Popen(
-            part.command(run), stdout=log, stderr=subprocess.STDOUT, cwd=suite_dir("..").resolve()
-        )
-        started.append((part, proc, log, time.monotonic()))
-    done: dict[str, dict] = {}
-    try:
-        with console.status("") as status:
+    with Progress(console) as progress:
+        try:
+            for part in parts:
+                log = open(part.log(run.out), "w")  # noqa: SIM115 - closed below, after the part ends
+                proc = subprocess.Popen(
+                    part.command(run),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=suite_dir("..").resolve(),
+                    start_new_session=True,  # its group: the ranks of a test it is stopped in go with it
+                )
+                started.append((part, proc, log, time.monotonic()))
+                progress.start(_label(part, workers=True), None, "tests", now="collecting")
+            done: dict[str, dict] = {}
             while len(done) < len(parts):
                 for part, proc, log, t0 in started:
-                    if part.name not in done and proc.poll() is not None:
+                    label = _label(part, workers=True)
+                    if part.name in done:
+                        continue
+                    if proc.poll() is not None:
                         log.close()
-                        done[part.name] = _finished_part(part, proc.returncode, run, console, t0)
-                status.update(
-                    " · ".join(
-                        _progress(part, run.out, t0) for part, _, _, t0 in started if part.name not in done
-                    )
-                )
+                        data, summary = _finished_part(part, proc.returncode, run, t0)
+                        done[part.name] = data
+                        progress.finish(label, summary)
+                        console.print(f"  log: {part.log(run.out)}", highlight=False, soft_wrap=True)
+                    else:
+                        progress.update(label, *_progress(part, run.out))
                 time.sleep(0.5)
-    except BaseException:
-        for _, proc, log, _ in started:
-            stop(proc)
-            log.close()
-        raise
+        except BaseException:
+            stop_all([proc for _, proc, _, _ in started])
+            for _, _, log, _ in started:
+                log.close()
+            raise
     return done
 
 
-def _progress(part: Part, out: Path, t0: float) -> str:
-    """'conformance-parallel: 41/133 tests, 32 s' from the results file the part keeps up to date."""
+def _label(part: Part, workers: bool = False) -> str:
+    """'conformance-parallel disk,ipc', with its xdist workers where asked."""
+    label = f"{part.name} {','.join(part.backends)}"
+    return label + (f" ({part.workers} xdist workers)" if workers and part.workers else "")
+
+
+def _progress(part: Part, out: Path) -> tuple[int, int | None, str]:
+    """(tests done, tests collected, the test running now) from the results file the part keeps up to date."""
     try:
         data = json.loads(part.results(out).read_text())
     except (OSError, ValueError):
-        data = {}
-    total = data.get("collected")
-    return (
-        f"[bold]{part.name}[/] {','.join(part.backends)}: {len(data.get('tests', {}))}"
-        f"{f'/{total}' if total else ''} tests, {time.monotonic() - t0:.0f} s"
-        f"{f' ({part.workers} xdist workers)' if part.workers else ''}"
-    )
+        return 0, None, "collecting"
+    running = data.get("running") or ""
+    return len(data.get("tests", {})), data.get("collected"), running.rsplit("/", 1)[-1]
 
 
-def _finished_part(part: Part, returncode: int, run: SuiteArgs, console: Console, t0: float) -> dict:
+def _finished_part(part: Part, returncode: int, run: SuiteArgs, t0: float) -> tuple[dict, str]:
+    """The part's results (its failure recorded where it was stopped) and the line that sums it up."""
     results, log = part.results(run.out), part.log(run.out)
     if not results.exists():
         data = {
@@ -180,14 +195,12 @@ def _finished_part(part: Part, returncode: int, run: SuiteArgs, console: Console
             )
             fail_the_stopped_test(data, returncode, log)
     statuses = [r.get("status") for r in data["tests"].values()]
-    console.print(
-        f"{part.name} {','.join(part.backends)}: {statuses.count('passed')} passed, "
-        f"{statuses.count('failed')} failed, {statuses.count('not_supported')} NOT_SUPPORTED in "
-        f"{time.monotonic() - t0:.0f}s{f' ({part.workers} xdist workers)' if part.workers else ''}",
-        highlight=False,
+    summary = (
+        f"{_label(part)}: {statuses.count('passed')} passed, {statuses.count('failed')} failed, "
+        f"{statuses.count('not_supported')} NOT_SUPPORTED in {time.monotonic() - t0:.0f}s"
+        f"{f' ({part.workers} xdist workers)' if part.workers else ''}"
     )
-    console.print(f"  log: {log}", highlight=False, soft_wrap=True)
-    return data
+    return data, summary
 
 
 def run_suites(
@@ -294,16 +307,27 @@ def fail_the_stopped_test(data: dict, returncode: int, log: Path) -> None:
             rec["message"] = f"pytest stopped ({describe_exit(returncode)}) {where}; see {log}"
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
-    """SIGTERM first, so the suite's plugin records the test it hung in (and the ranks' calls in
-    flight) as failed; SIGKILL if it has not ended after `grace_s`."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+#: How long a stopped part has to record the test it was stopped in before its group is killed: certify's
+#: whole stop stays within harness.stopping.STOP_BOUND_S.
+STOP_GRACE_S = 5.0
+
+
+def stop_all(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every part at once, so each suite's plugin records the test it hung in (and the ranks' calls
+    in flight) as failed; then SIGKILL each part's process group (pytest and every rank it started) once it
+    has ended or `grace_s` has passed."""
+    from harness.stopping import kill_group
+
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    end = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(proc.pid)  # its group id is its pid (start_new_session)
         proc.wait()
 
 

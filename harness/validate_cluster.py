@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
@@ -46,17 +47,20 @@ PAYLOAD_SHARE = 0.9
 EXIT_PASS, EXIT_FAIL = 0, 1
 #: how long after its collectives' timeout a live rank has to post its smoke report
 REPORT_GRACE_S = 5.0
+#: Stopped (SIGTERM, SIGINT) during the smoke: how long rank 0 still waits for the reports, so the verdict can
+#: name a dead rank; the whole stop stays within harness.stopping.STOP_BOUND_S (the watcher ends it at
+#: STOP_GRACE_S whatever the rank waits on).
+STOP_REPORT_S, STOP_GRACE_S = 5.0, 7.5
 
 
 def parse_ranks(text: str) -> list[int]:
     """'0', '1-3', '0,2,4-5' → rank numbers; a ValueError naming the text otherwise."""
-    ranks: list[int] = []
-    for part in text.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"rank range {text!r}: expected N, N-M or a comma-separated list of them")
-        ranks += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
-    return ranks
+    from harness.cli_args import ranks
+
+    try:
+        return ranks(text)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"rank range {exc}") from None
 
 
 def payload_gbs(rating_gbps: float) -> float:
@@ -289,17 +293,20 @@ def smoke(
     return failures
 
 
-def report_in(rank: int, world: int, payload: dict, deadline: float, tag: str = "smoke") -> dict[int, dict]:
+def report_in(
+    rank: int, world: int, payload: dict, deadline: float, tag: str = "smoke", stopped=lambda: None
+) -> dict[int, dict]:
     """Every rank posts `payload` to the rendezvous store (not the process group, which a dead member
     breaks); rank 0 waits until `deadline` (time.monotonic) for all of them and returns {rank: payload} of
-    those that came (the others return {}). A rank missing from the answer died or hung."""
+    those that came (the others return {}). A rank missing from the answer died or hung. `stopped()`: when
+    a stop was asked (time.monotonic), or None; the wait then ends STOP_REPORT_S after it at the latest."""
     store = dist.distributed_c10d._get_default_store()
     store.set(f"validate-cluster/{tag}/{rank}", json.dumps(payload))
     if rank != 0:
         return {}
     keys = {r: f"validate-cluster/{tag}/{r}" for r in range(world)}
     waiting = set(keys)
-    while waiting and time.monotonic() < deadline:
+    while waiting and time.monotonic() < min(deadline, (stopped() or math.inf) + STOP_REPORT_S):
         waiting = {r for r in waiting if not store.check([keys[r]])}
         if waiting:
             time.sleep(0.05)
@@ -349,76 +356,70 @@ def table(links: list[Link], floor_gbs: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="weightsync validate-cluster", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trainer-ranks", required=True, help="the trainer's ranks: N, N-M or a list")
-    p.add_argument(
-        "--rollout-ranks", action="append", required=True, help="one rollout group's ranks (repeat per group)"
-    )
-    p.add_argument("--rating-gbps", type=float, default=None, help="the fabric's rating per link, in Gb/s")
-    p.add_argument(
-        "--floor", type=float, default=0.5, help="share of the rating's payload rate a link must reach"
-    )
-    p.add_argument(
-        "--peer-share",
-        type=float,
-        default=0.5,
-        help="a p2p link below this share of its peers' median is slow",
-    )
-    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 256, 1024])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default=".", help="where rank 0 writes validate-cluster.json")
-    p.add_argument(
-        "--engine",
-        default="reference",
-        help="the rollout side's engine in the smoke: reference (default), vllm (real vLLM, a dev-mode server "
-        "per rollout rank, serving its own model: the tensors sent are its shapes and dtypes) or "
-        "pkg.module:factory",
-    )
-    p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=300,
-        help="every collective gives up after this; a rank silent this long after the smoke is named dead",
-    )
-    faults = p.add_argument_group("fault injection (the harness's own tests)")
-    faults.add_argument("--kill-rank", type=int, default=None, help="this rank SIGKILLs itself mid-smoke")
-    faults.add_argument("--hang-rank", type=int, default=None, help="this rank SIGSTOPs itself mid-smoke")
-    faults.add_argument(
-        "--corrupt-rank", type=int, default=None, help="this rank flips one bit of what it receives"
-    )
-    a = p.parse_args(argv)
-    try:
-        trainers = parse_ranks(a.trainer_ranks)
-        groups = [parse_ranks(g) for g in a.rollout_ranks]
-    except ValueError as exc:
-        p.error(str(exc))
-    backend = "nccl" if a.device.startswith("cuda") else "gloo"
+    """`python -m harness.validate_cluster ...` under torchrun (harness.cli's validate-cluster is the same)."""
+    from harness.cluster_args import parse
+
+    argv = sys.argv[1:] if argv is None else argv
+    return run(parse(argv), argv)
+
+
+def run(a, argv: list[str], stoppable: bool = True) -> int:
+    """One rank's validation, its arguments checked (harness.cluster_args.parse). `stoppable`: SIGINT or
+    SIGTERM ends it within harness.stopping.STOP_BOUND_S (rank 0 writes what it has first)."""
+    from harness.stopping import PromptStop
+
+    state: dict = {"links": None, "command": "weightsync validate-cluster " + shlex.join(argv)}
+    stop = PromptStop(STOP_GRACE_S, on_overrun=lambda signum: _write_stopped(a, state, signum))
+    if not stoppable:
+        return _validate(a, state, stop)
+    with stop:
+        return _validate(a, state, stop)
+
+
+def _write_stopped(a, state: dict, signum: int) -> None:
+    """Rank 0, stopped while it still waited: the report with what was measured, verdict STOPPED."""
+    if state.get("rank") != 0 or state.get("written"):
+        return
+    why = f"stopped by {signal.Signals(signum).name} during {state.get('phase', 'the start')}"
+    links = state["links"] or []
+    data = {
+        "verdict": "STOPPED",
+        "command": state["command"],
+        "reasons": [why],
+        "world_size": state.get("world"),
+    }
+    data["links"] = [{**asdict(link), "gbs": link.gbs} for link in links]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "validate-cluster.json").write_text(json.dumps(data, indent=2))
+    print(f"{why}: {len(links)} measurements kept in {out / 'validate-cluster.json'}", flush=True)
+
+
+def _validate(a, state: dict, stop) -> int:
+    trainers, groups = a.trainer_ranks, a.rollout_ranks
+    device_name = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if device_name.startswith("cuda") else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
+    state["phase"] = "the rendezvous (every rank must join)"
     dist.init_process_group(backend, timeout=timedelta(seconds=a.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    named = sorted([*trainers, *(r for g in groups for r in g)])
-    if len(set(named)) != len(named) or any(not 0 <= r < world for r in named):
-        if rank == 0:
-            print(
-                f"usage error: trainer {trainers} and rollout groups {groups} must be distinct ranks of 0..{world - 1}"
-            )
-        dist.destroy_process_group()
-        return 2
+    state["rank"], state["world"] = rank, world
+    state["phase"] = "the link measurements"
     who: list = [None] * world
     dist.all_gather_object(who, _identity(rank, device))
     sizes = [int(s * 2**20) for s in a.sizes_mib]
     timeout = timedelta(seconds=a.timeout_s)
     n_pairs = len(trainers) * sum(map(len, groups))
     step = Steps(len(sizes) * (n_pairs + len(groups)) + 3, show=rank == 0)
-    links = measure_links(trainers, groups, sizes, device, who, a.repeats, timeout, step)
+    links = state["links"] = measure_links(trainers, groups, sizes, device, who, a.repeats, timeout, step)
     # one torchrun per node stops every local worker (SIGTERM, SIGKILL 30 s later) as soon as one dies: the
-    # survivors finish the bounded smoke and its report first, so the verdict can name the dead rank
-    stop_requests: list[float] = []
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop_requests.append(time.monotonic()))
+    # survivors finish the smoke and its report first (rank 0 waits STOP_REPORT_S at most once asked to stop),
+    # so the verdict can name the dead rank
+    stop.defer = True
+    state["phase"] = "the smoke"
     t0 = time.monotonic()
     try:
         local = {
@@ -431,8 +432,15 @@ def main(argv: list[str] | None = None) -> int:
         local = {"failures": [], "error": f"{type(exc).__name__}: {first[:300]}"}
     # a live rank's collective gives up timeout_s after it began (at the latest, timeout_s after the smoke
     # began plus the smoke's own few 100 ms), then it reports: rank 0 waits that long, and REPORT_GRACE_S more
-    bound = a.timeout_s + REPORT_GRACE_S
-    came = report_in(rank, world, local, max(time.monotonic(), t0 + a.timeout_s) + REPORT_GRACE_S)
+    state["phase"] = "the smoke's reports"
+    came = report_in(
+        rank,
+        world,
+        local,
+        max(time.monotonic(), t0 + a.timeout_s) + REPORT_GRACE_S,
+        stopped=lambda: stop.stopped_at,
+    )
+    waited = time.monotonic() - t0
     step.done = step.total - 1  # a rank that died mid-smoke skipped steps: the last one is the report
     step(
         "every rank reported in"
@@ -445,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     failures += [f"{who[r]}: smoke raised {p['error']}" for r, p in came.items() if "error" in p]
     missing = sorted(set(range(world)) - set(came)) if rank == 0 else []
     failures += [
-        f"{who[r]} did not report within {bound:g} s of the smoke's start: dead or hung" for r in missing
+        f"{who[r]} did not report within {waited:.0f} s of the smoke's start: dead or hung" for r in missing
     ]
     healthy = not missing and not any("error" in p for p in came.values())
     floor = payload_gbs(a.rating_gbps) * a.floor if a.rating_gbps else None
@@ -469,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         data = {
             "verdict": result,
-            "command": "weightsync validate-cluster " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "command": state["command"],
             "reasons": reasons,
             "world_size": world,
             "trainer_ranks": trainers,
@@ -483,13 +491,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         (out / "validate-cluster.json").write_text(json.dumps(data, indent=2))
         (out / "validate-cluster.html").write_text(render_validate_cluster(data))
+        state["written"] = True
         print(f"report: {out / 'validate-cluster.json'}, {out / 'validate-cluster.html'}")
-    signal.signal(signal.SIGTERM, previous)
-    if stop_requests and rank == 0:
+    if stop.stopped_at is not None and rank == 0:
         print(
-            f"the launcher asked to stop {stop_requests[0] - t0:.1f} s into the smoke: stopping after the report"
+            f"the launcher asked to stop {stop.stopped_at - t0:.1f} s into the smoke: stopped after the report"
         )
     # the verdict reaches every rank through the store too: after a death the process group cannot carry it
+    state["phase"] = "sharing the verdict"
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         store.set("validate-cluster/verdict", json.dumps({"verdict": result, "healthy": healthy}))
@@ -500,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
             result, healthy = shared["verdict"], shared["healthy"]
         except RuntimeError:  # rank 0 (and with it the store's host) finished, or died: no verdict to share
             result, healthy = "FAIL", False
-    if healthy:  # a process group with a dead member would hang here: leave it to the process's exit
+    if (
+        healthy and stop.stopped_at is None
+    ):  # a group with a dead member would hang here: leave it to the exit
         dist.barrier()
         dist.destroy_process_group()
     return EXIT_PASS if result == "PASS" else EXIT_FAIL

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -126,7 +127,11 @@ def test_resume_of_a_folder_that_is_no_bundle_names_it(tmp_path, capsys):
 
 def test_certify_stopped_by_sigterm_stops_its_suite_and_leaves_it_to_resume(tmp_path):
     """What --resume stands on: `timeout` (a job's limit) sends certify SIGTERM; certify stops its running
-    suite the same way (the plugin records where it was) and exits 143, and that suite is not counted finished."""
+    suite the same way (the plugin records where it was) and exits 143 within STOP_BOUND_S, leaving no
+    process it started, printing the line that finishes the bundle; that suite is not counted finished."""
+    from harness.procs import pid_alive
+    from harness.stopping import STOP_BOUND_S, descendants
+
     cmd = [sys.executable, "-m", "harness.cli", "certify", "--backend", "disk", "--no-faults", "--no-bench"]
     proc = subprocess.Popen(
         [*cmd, "--out", str(tmp_path)],
@@ -134,6 +139,7 @@ def test_certify_stopped_by_sigterm_stops_its_suite_and_leaves_it_to_resume(tmp_
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    started: list[int] = []
     try:
         # the conformance run of every backend at once (split per backend when it ends)
         results = lambda: next(tmp_path.glob("certify-*/conformance-run-parallel.json"), None)  # noqa: E731
@@ -142,14 +148,39 @@ def test_certify_stopped_by_sigterm_stops_its_suite_and_leaves_it_to_resume(tmp_
             assert proc.poll() is None, proc.communicate()[0].decode()[-2000:]
             assert time.monotonic() < deadline, "the conformance suite wrote no results in 120 s"
             time.sleep(0.2)
+        started = descendants(proc.pid)  # pytest, and the ranks of the test it is in
         proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [proc.pid, *started]:  # what the test started, should the stop have left any
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out.decode()[-2000:])
+    text = out.decode()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, text[-2000:])
+    assert took < STOP_BOUND_S, f"certify took {took:.1f} s to stop (bound {STOP_BOUND_S} s):\n{text[-2000:]}"
+    left = [pid for pid in started if pid_alive(pid)]
+    assert not left, f"processes certify started outlived it: {_describe(left)}"
+    assert "--resume" in text and "finish it with" in text, text[-2000:]
     data = json.loads(results().read_text())
     assert not data["complete"], "the stopped suite's results say complete"
     assert finished_suite(results().parent, "conformance", "disk") is None, (
         "the stopped suite's per-backend results were written as finished"
     )
+
+
+def _describe(pids: list[int]) -> list[str]:
+    """'pid (state, pgid): command' of each process, for a failure message."""
+    out = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        except OSError:
+            continue
+        out.append(f"{pid} ({stat[0]}, pgid {stat[2]}, ppid {stat[1]}): {cmd}")
+    return out

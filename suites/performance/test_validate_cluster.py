@@ -124,8 +124,8 @@ def _kill_tree(pid: int) -> None:
 def test_a_rank_lost_mid_smoke_is_named_within_the_bound(tmp_path, layout, fault):
     """Rank 2 SIGKILLs itself after version 1 (its sockets close), or SIGSTOPs itself there (they stay open:
     only the timeout can tell). The survivors must not hang: every collective gives up after --timeout-s,
-    and rank 0 names the rank that never reported in (under a single torchrun too, whose SIGTERM to the
-    survivors waits for the report)."""
+    and rank 0 names the rank that never reported in (under a single torchrun too: its SIGTERM to the
+    survivors leaves them STOP_REPORT_S for the report)."""
     timeout_s = 5
     args = ["-m", "harness.cli", "validate-cluster", "--trainer-ranks", "0", "--rollout-ranks", "1-3"]
     args += ["--sizes-mib", "1", "--repeats", "1", "--peer-share", "0", "--timeout-s", str(timeout_s)]
@@ -156,8 +156,11 @@ def test_a_rank_lost_mid_smoke_is_named_within_the_bound(tmp_path, layout, fault
     report = json.loads(report_file.read_text())
     reasons = report["reasons"]
     assert report["verdict"] == "FAIL" and report["missing_ranks"] == [2], (reasons, outs[0][-2000:])
+    # within timeout_s + 5 s; under one torchrun sooner: its SIGTERM to the survivors cuts rank 0's wait to
+    # STOP_REPORT_S after it (a stop ends within harness.stopping.STOP_BOUND_S)
     assert any(
-        r.startswith("rank 2 (") and "did not report within 10 s of the smoke's start" in r for r in reasons
+        r.startswith("rank 2 (") and re.search(r"did not report within \d+ s of the smoke's start", r)
+        for r in reasons
     ), reasons
     assert not any("did not report" in r for r in reasons if not r.startswith("rank 2 (")), reasons
     # bounded: a survivor's collective gives up within timeout_s, rank 0 waits 5 s more for the reports
