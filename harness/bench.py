@@ -134,19 +134,16 @@ class SyncRow:
     @property
     def verdict(self) -> str:
         """ok; wrong (a tensor differed); unreliable (faster than its raw transport: the ceiling was not
-        one); below floor (slower than the two floors allow at its size); host busy (one of the last two
-        on a host where other jobs took BUSY_CORES or more: not judged); or no ceiling."""
+        one); below floor (slower than the two floors allow at its size); host busy (that, on a host where
+        other jobs took BUSY_CORES or more: not judged); or no ceiling."""
         if self.wrong:
             return "wrong"
         if not self.ceiling_gbs:
             return "no ceiling"
-        missed = self.ratio > 1.0 or bool(self.allowed_s and self.time_s > self.allowed_s)
-        if missed and self.floor and self.host_busy:
-            return "host busy"
         if self.ratio > 1.0:
             return "unreliable"
         if self.allowed_s and self.time_s > self.allowed_s:
-            return "below floor"
+            return "host busy" if self.host_busy else "below floor"
         return "ok"
 
     @property

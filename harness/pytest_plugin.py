@@ -497,20 +497,16 @@ def _leave_out_for_quick(config: pytest.Config, items: list[pytest.Item]) -> Non
 
 
 def _group_by_target(items: list[pytest.Item]) -> None:
-    """The tests of one (backend, receiver count) next to each other, in the order the targets first
-    appear, each group in collection order; those of no target first. The deployment pool then builds each
-    target's deployments once and closes them when the run moves on (MAX_LIVE_DEPLOYMENTS)."""
-    order: dict = {}
-    for item in items:
+    """The tests of one (backend, receiver count) next to each other, the group where its first test was;
+    a test of no target stays where it was. The deployment pool then builds each target's deployments once
+    and closes them when the run moves on (MAX_LIVE_DEPLOYMENTS)."""
+    first: dict = {}
+    keys = []
+    for i, item in enumerate(items):
         target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
-        if target:
-            order.setdefault(tuple(target), len(order))
-
-    def key(item: pytest.Item) -> int:
-        target = getattr(item, "callspec", None) and item.callspec.params.get("ws_target")
-        return order[tuple(target)] if target else -1
-
-    items.sort(key=key)  # stable: each group keeps the collection order
+        keys.append((first.setdefault(tuple(target), i), i) if target else (i, i))
+    order = sorted(range(len(items)), key=keys.__getitem__)
+    items[:] = [items[i] for i in order]
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from harness.pytest_plugin import UNKNOWN
+
 pytest_plugins = ["pytester"]
 
 SLOW = "suites.meta.broken:make_needless_copy_broadcast_backend"
@@ -25,6 +27,7 @@ def _run(pytester, backend, *args):
         f"--weightsync-backend={backend}",
         "--weightsync-bench-mib=64",
         f"--weightsync-floor=broadcast={FLOOR}",
+        "-rs",  # a row missed on a busy host is skipped as UNKNOWN: its reason in the output
         *args,
     )
 
@@ -49,8 +52,12 @@ def test_a_slower_build_of_a_path_fails_the_ratio_gate_and_the_benchmark_compare
     )
     out = slow.stdout.str() + slow.stderr.str()
     assert slow.ret != 0, out[-3000:]
-    assert "below the floor in 2 of 2 attempts: attempt 1: broadcast 1 rx 64 MiB" in out, out[-3000:]
     assert "Performance has regressed" in out, out[-3000:]
+    if "UNKNOWN: other jobs used" in out:  # the floor is not judged on a busy host (harness.bench.BUSY_CORES)
+        pytest.skip(
+            f"{UNKNOWN}: the slow build was measured while other jobs took the CPUs; the compare caught it"
+        )
+    assert "below the floor in 2 of 2 attempts: attempt 1: broadcast 1 rx 64 MiB" in out, out[-3000:]
     before, after = (
         json.loads((tmp_path / f"{n}.json").read_text())["benchmarks"][0] for n in ("healthy", "slow")
     )
