@@ -14,10 +14,12 @@ uni executor): it starts in seconds; a harness thread steps the engine and strea
 
 `make_engine` recycles: shutting down an engine it made puts that engine's vLLM back to a fresh one's state
 (requests aborted, not paused, no update open, the checkpoint reloaded through the transport and read back
-bit for bit, version "default", prefix cache empty, the transport's roots forgotten) and the next `make_engine` in this process serves from
-it. A suite resets its engines before every test (`Deployment.reset`: shutdown, then make_engine); a new
-`LLM` each time cost 2-3 s of every conformance test on 2 cores. Anything that cannot be put back for
-certain (the step loop broke, a read-back differs) is shut down, and the next engine is a new `LLM`.
+bit for bit, version "default", prefix cache empty, the transport's roots forgotten) and the next
+`make_engine` in this process serves from it (`release_spare` shuts it down instead). A suite resets its
+engines before every test (`Deployment.reset`: shutdown, then make_engine); a new `LLM` each time cost 2-3 s
+of every conformance test on 2 cores. Anything that cannot be put back for certain (the step loop broke, a
+read-back differs) is shut down, and the next engine is a new `LLM`
+(suites/vllm/test_vllm_engine_factory.py checks the engine after a recycle).
 """
 
 from __future__ import annotations
@@ -361,6 +363,14 @@ class InProcessVllm(VllmEngine):
 
 #: The LLM of the last engine make_engine made in this process, restored when that engine shut down.
 _spare: Any = None
+
+
+def release_spare() -> None:
+    """Shut down the LLM make_engine keeps for the next engine of this process, if it keeps one."""
+    global _spare
+    llm, _spare = _spare, None
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def make_engine(spec: WeightSpec | None = None) -> InProcessVllm:
