@@ -149,20 +149,34 @@ CONTEXT = 32768
 LONG = CONTEXT - 768
 
 
+#: Attempts at a control call that must land while a request is in flight: on 2 loaded cores vLLM's API
+#: server handles it only after a backlog of streamed tokens, and a request that ended first shows nothing.
+LANDING_ATTEMPTS = 3
+
+
+def _ended_before_the_call(c, max_tokens: int) -> bool:
+    """The request ran to its length before the pause or abort reached vLLM: that attempt shows nothing."""
+    return c.finish_reason == "length" and len(c.token_ids) == max_tokens
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_pause_resume_and_streams_on_vllm(vllm, mode, record_property):
     client = vllm.client()
     max_tokens = 600 if mode == "keep" else LONG
-    stream = client.submit(GenerationRequest(f"compat-{mode}", (1, 10, 20, 30), max_tokens))
-    assert stream.wait_for_tokens(4, 120), "vLLM stream produced no tokens"
-    client.pause(mode)
-    assert client.is_paused()
-    at_pause = len(stream.events_after(0, timeout=0))
-    record_property("tokens_when_pause_returned", at_pause)
-    client.resume()
-    assert not client.is_paused()
-    c = stream.result(300)
-    assert stream.error is None, repr(stream.error)
+    for attempt in range(LANDING_ATTEMPTS):
+        stream = client.submit(GenerationRequest(f"compat-{mode}-{attempt}", (1, 10, 20, 30), max_tokens))
+        assert stream.wait_for_tokens(4, 120), "vLLM stream produced no tokens"
+        client.pause(mode)
+        assert client.is_paused()
+        at_pause = len(stream.events_after(0, timeout=0))
+        record_property("tokens_when_pause_returned", at_pause)
+        client.resume()
+        assert not client.is_paused()
+        c = stream.result(300)
+        assert stream.error is None, repr(stream.error)
+        if mode == "keep" or not _ended_before_the_call(c, max_tokens):
+            break
+    record_property("attempts", attempt + 1)
     expected = ("length", max_tokens) if mode == "keep" else ("abort", None)
     got = (c.finish_reason, len(c.token_ids) if mode == "keep" else None)
     assert got == expected, (
@@ -178,11 +192,14 @@ def test_abort_by_id_reaches_vllm(vllm, record_property):
     client = vllm.client()
     late = []
     for i in range(3):
-        stream = client.submit(GenerationRequest(f"compat-abort-{i}", (1, 2, 3, 4 + i), LONG))
-        assert stream.wait_for_tokens(2, 120)
-        before = len(stream.events_after(0, timeout=0))
-        stream.abort()
-        c = stream.result(300)
+        for attempt in range(LANDING_ATTEMPTS):
+            stream = client.submit(GenerationRequest(f"compat-abort-{i}-{attempt}", (1, 2, 3, 4 + i), LONG))
+            assert stream.wait_for_tokens(2, 120)
+            before = len(stream.events_after(0, timeout=0))
+            stream.abort()
+            c = stream.result(300)
+            if not _ended_before_the_call(c, LONG):
+                break
         assert (c.finish_reason, len(c.token_ids) < LONG) == ("abort", True), (
             f"abort {i}: {c.finish_reason} after {len(c.token_ids)}"
         )
