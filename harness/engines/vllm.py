@@ -11,6 +11,15 @@ The pieces live in rooms of their own:
 
 `InProcessVllm` is vLLM's `LLM` in this process, one-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0,
 uni executor): it starts in seconds; a harness thread steps the engine and streams tokens.
+
+`make_engine` recycles: shutting down an engine it made puts that engine's vLLM back to a fresh one's state
+(requests aborted, not paused, no update open, the checkpoint reloaded through the transport and read back
+bit for bit, version "default", prefix cache empty, the transport's roots forgotten) and the next
+`make_engine` in this process serves from it (`release_spare` shuts it down instead). A suite resets its
+engines before every test (`Deployment.reset`: shutdown, then make_engine); a new `LLM` each time cost 2-3 s
+of every conformance test on 2 cores. Anything that cannot be put back for certain (the step loop broke, a
+read-back differs) is shut down, and the next engine is a new `LLM`
+(suites/vllm/test_vllm_engine_factory.py checks the engine after a recycle).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from harness.api import (
@@ -37,6 +47,7 @@ from harness.api import (
     WeightSpec,
     WeightSyncError,
 )
+from harness.engines.tiny_hf_models import load_checkpoint
 from harness.engines.vllm_adapter import (
     VllmEngine,
     harness_error,
@@ -44,7 +55,9 @@ from harness.engines.vllm_adapter import (
     refuse_foreign_spec,
     tiny_model_dir,
 )
+from harness.engines.vllm_constants import INITIAL_VERSION
 from harness.engines.vllm_settings import DEFAULT_KV_CACHE_BYTES, VllmSettings, cpu_thread_binding
+from harness.paths.disk import DiskSender
 
 
 # --------------------------------------------------------------------------------------------- in-process
@@ -69,7 +82,10 @@ class InProcessVllm(VllmEngine):
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,
         tensor_parallel_size: int = 1,
+        llm: Any = None,
     ):
+        """`llm`: a vLLM `LLM` started with these settings and restored to a fresh state (make_engine's
+        recycling); None starts a new one."""
         super().__init__(model_dir, workdir)
         self.max_num_seqs = max_num_seqs
         # One process: the engine core runs in this thread's process and the worker is reachable.
@@ -102,7 +118,8 @@ class InProcessVllm(VllmEngine):
             seed,
             tensor_parallel_size=tensor_parallel_size,
         )
-        self.llm = LLM(**settings.llm_kwargs(self.model_dir))
+        self.llm = llm if llm is not None else LLM(**settings.llm_kwargs(self.model_dir))
+        self.recyclable = False  # make_engine's engines: shutdown restores the LLM for the next one
         self._llm_engine = self.llm.llm_engine
         self._core = self._llm_engine.engine_core.engine_core  # vLLM's EngineCore: its pause API
         self.vocab_size = self._llm_engine.model_config.get_vocab_size()
@@ -293,21 +310,80 @@ class InProcessVllm(VllmEngine):
             if self._stopped and not self._thread.is_alive():
                 return
             self._stopped = True
+            in_flight = list(self._streams)
             self._end_all("abort")
             self._cond.notify_all()
         self._thread.join(timeout=30)
-        self._llm_engine.engine_core.shutdown()
+        global _spare
+        if (
+            self.recyclable
+            and self._failure is None
+            and not self._thread.is_alive()
+            and self._restore(in_flight)
+        ):
+            _spare = self.llm
+        else:
+            self._llm_engine.engine_core.shutdown()
         if self.owns_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _restore(self, in_flight: list[str]) -> bool:
+        """Put this stopped engine's vLLM back to a fresh engine's state; True once every part of it was
+        checked (the weights read back through the kernels equal the checkpoint bit for bit)."""
+        llm, core = self.llm, self._llm_engine
+        try:
+            if in_flight:
+                core.abort_request(in_flight)
+            if self._core.is_scheduler_paused():
+                self._core.resume_scheduler()
+            if any(r.get("active") for r in llm.collective_rpc("weightsync_discard")):
+                llm.finish_weight_update(weight_version=None)  # closes the open update, applies nothing
+            base = load_checkpoint(self.model_dir)
+            sender = DiskSender(self.workdir / "restore")
+            llm.init_weight_transfer_engine({"init_info": sender.init()})
+            llm.start_weight_update()
+            llm.update_weights({"update_info": sender.prepare(1, base)})
+            llm.finish_weight_update(weight_version=INITIAL_VERSION)
+            if not core.reset_prefix_cache(True):
+                return False
+            path = self.workdir / "restore" / "readback.safetensors"
+            llm.collective_rpc("weightsync_read", kwargs={"path": str(path), "layout": "checkpoint"})
+            back = safetensors.torch.load_file(str(path))
+            llm.shutdown_weight_transfer_engine()  # forgets every root it was given; refused mid-update
+            return (
+                not core.has_unfinished_requests()
+                and not self._core.is_scheduler_paused()
+                and core.get_weight_version() == INITIAL_VERSION
+                and back.keys() == base.keys()
+                and all(torch.equal(back[n], t) for n, t in base.items())
+            )
+        except Exception:  # noqa: BLE001 - not restorable for certain: the caller starts a new LLM
+            return False
+
+
+#: The LLM of the last engine make_engine made in this process, restored when that engine shut down.
+_spare: Any = None
+
+
+def release_spare() -> None:
+    """Shut down the LLM make_engine keeps for the next engine of this process, if it keeps one."""
+    global _spare
+    llm, _spare = _spare, None
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def make_engine(spec: WeightSpec | None = None) -> InProcessVllm:
     """Engine factory for `--weightsync-engine=harness.engines.vllm:make_engine`: real vLLM, in
     process, serving the tiny Llama of harness.engines.tiny_hf_models (built once under
     WEIGHTSYNC_MODEL_CACHE, default a folder in the temp dir). Any path delivers into it through `commit_weights`, i.e.
-    through vLLM's own lifecycle. vLLM serves a fixed model: a spec must be a subset of its own."""
-    engine = InProcessVllm(tiny_model_dir(), tempfile.mkdtemp(prefix="weightsync-vllm-engine-"))
+    through vLLM's own lifecycle. vLLM serves a fixed model: a spec must be a subset of its own.
+    Fresh at version 0 either way: a new LLM, or the restored one of the last engine shut down here."""
+    global _spare
+    llm, _spare = _spare, None
+    engine = InProcessVllm(tiny_model_dir(), tempfile.mkdtemp(prefix="weightsync-vllm-engine-"), llm=llm)
     engine.owns_workdir = True
+    engine.recyclable = True
     return refuse_foreign_spec(engine, spec)
 
 

@@ -59,19 +59,45 @@ FAILED_UPDATE_KILLS = (
 )
 
 
+@pytest.fixture(scope="module")
+def nccl_servers(vllm_pool, tmp_path_factory):
+    """`get()`: the module's dev-mode server with vLLM's nccl engine, started on first use (~25 s on 2 cores)
+    and again only when the last one stopped serving (/health not 200: the failed-update finding kills its
+    EngineCore). Each test reads the state it starts from (weights, label) itself."""
+    import httpx
+    from weightsync_vllm_nccl.backend import NcclServerVllm, engine_dir
+
+    started = []
+
+    def serving(engine) -> bool:
+        try:
+            return engine.http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def get():
+        if started and serving(started[-1]):
+            return started[-1]
+        workdir, owned = engine_dir(tmp_path_factory.mktemp("nccl-engine"), 0)
+        started.append(NcclServerVllm(vllm_pool.model_dir("llama"), workdir, owns_workdir=owned))
+        return started[-1]
+
+    yield get
+    for engine in started:
+        engine.shutdown()
+
+
 @pytest.fixture
-def nccl_engine(vllm_pool, tmp_path):
+def nccl_engine(nccl_servers):
     """A dev-mode server with vLLM's nccl engine, and vLLM's own client to drive its routes by hand (its
     trainer_init fails on CPU, so no group exists: every route but update_weights still answers)."""
-    from weightsync_vllm_nccl.backend import NcclSender, NcclServerVllm, engine_dir
+    from weightsync_vllm_nccl.backend import NcclSender
 
-    workdir, owned = engine_dir(tmp_path, 0)
-    engine = NcclServerVllm(vllm_pool.model_dir("llama"), workdir, owns_workdir=owned)
+    engine = nccl_servers()
     sender = NcclSender(engine, timeout_s=30)
     with pytest.raises(NcclInitError):
         sender.init()
-    yield engine, sender.client
-    engine.shutdown()
+    return engine, sender.client
 
 
 def _served(engine, before) -> tuple[list[str], str]:
