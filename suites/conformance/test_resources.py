@@ -68,8 +68,10 @@ def _shm_entries_of_this_run() -> list[str]:
 
 
 def _tree_bytes(root: Path) -> tuple[int, int]:
+    """Files, and bytes of what is not a rank's log: an engine may log a line per sync (vLLM does, about
+    200 B), which is no state the sync leaves behind; a log file that appears per sync still counts."""
     files = [p for p in root.rglob("*") if p.is_file()]
-    return len(files), sum(p.stat().st_size for p in files)
+    return len(files), sum(p.stat().st_size for p in files if p.suffix != ".log")
 
 
 def _usage(deployment, workdir: Path) -> dict[str, int]:
