@@ -260,22 +260,8 @@ def row_progress(progress, task: str, repeats: int, first_row: int = 0):
     return update
 
 
-def full_run_command(argv: list[str]) -> str:
-    """The certify command of the full run a --quick one stands for: its arguments less --quick (and less
-    --resume, which reopens the quick run's own bundle)."""
-    keep, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--resume":
-            skip = True
-        elif arg != "--quick" and not arg.startswith("--resume="):
-            keep.append(arg)
-    return "weightsync " + shlex.join(keep)
-
-
-def resume_command(argv: list[str], out: Path) -> str:
-    """The certify command that finishes the bundle `out`: the same arguments, --resume out."""
+def _without_resume(argv: list[str]) -> list[str]:
+    """`argv` less its --resume BUNDLE (either spelling): that bundle is the run's own, not an argument of it."""
     keep, skip = [], False
     for arg in argv:
         if skip:
@@ -284,7 +270,18 @@ def resume_command(argv: list[str], out: Path) -> str:
             skip = True
         elif not arg.startswith("--resume="):
             keep.append(arg)
-    return "weightsync " + shlex.join([*keep, "--resume", str(out)])
+    return keep
+
+
+def full_run_command(argv: list[str]) -> str:
+    """The certify command of the full run a --quick one stands for: its arguments less --quick (and less
+    --resume, which reopens the quick run's own bundle)."""
+    return "weightsync " + shlex.join(a for a in _without_resume(argv) if a != "--quick")
+
+
+def resume_command(argv: list[str], out: Path) -> str:
+    """The certify command that finishes the bundle `out`: the same arguments, --resume out."""
+    return "weightsync " + shlex.join([*_without_resume(argv), "--resume", str(out)])
 
 
 #: What a resumed certify must share with the run that began the bundle: the same evidence, asked the same way.

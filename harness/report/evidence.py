@@ -133,7 +133,7 @@ def known_failures(results: dict, faults: dict | None = None) -> list[tuple[str,
 
 
 def _judge_suite(label: str, res: dict, decision: Decision, must_show: bool) -> None:
-    """One suite run (the results JSON of harness.pytest_plugin, as run_conformance returns it)."""
+    """One suite run (the results JSON of harness.pytest_plugin, one backend's as harness.suite_runs splits it)."""
     tests = res.get("tests", {})
     statuses = Counter(rec.get("status", "unknown") for rec in tests.values())
     for nodeid, rec in tests.items():
