@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from harness.manifest import as_bytes, dtype_name
+from harness.manifest import as_bytes, digests, digests_like, dtype_name
 
 
 def first_difference(expected: torch.Tensor, got: torch.Tensor) -> str:
@@ -45,6 +45,44 @@ def bitwise_mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, t
         e, g = e.cpu(), g.cpu()  # either side may live on a GPU
         if not torch.equal(as_bytes(e), as_bytes(g)):
             problems.append(f"{name} ({dtype_name(e.dtype)} {tuple(e.shape)}): {first_difference(e, g)}")
+    return problems
+
+
+def live_digests(engine) -> dict[str, list]:
+    """The oracle's read of `engine`'s live weights as name -> [dtype, shape, digest] (ws64x2 on a GPU,
+    xxh3 on the host: manifest.digests). Computed where the engine lives when it can say so (a rank's
+    pipe proxy answers `live_digests` from the rank), so a read-back of gigabytes moves 16 bytes each."""
+    remote = getattr(engine, "live_digests", None)
+    if callable(remote):
+        return remote()
+    weights = engine.read_weights()
+    names = list(weights)
+    sums = digests([weights[n] for n in names])
+    return {n: [dtype_name(weights[n].dtype), list(weights[n].shape), d] for n, d in zip(names, sums, strict=True)}
+
+
+def digest_mismatches(expected: Mapping[str, torch.Tensor], engine) -> list[str]:
+    """bitwise_mismatches through digests (live_digests): one line per tensor of `expected` the engine
+    lacks or holds with another dtype, shape or digest. For read-backs too large to copy out whole
+    (throughput rows); the conformance suites compare the bytes themselves."""
+    got = live_digests(engine)
+    problems, names = [], []
+    for name, e in expected.items():
+        g = got.get(name)
+        if g is None:
+            problems.append(f"{name}: missing from the engine")
+        elif g[0] != dtype_name(e.dtype) or tuple(g[1]) != tuple(e.shape):
+            problems.append(
+                f"{name}: expected {tuple(e.shape)} {dtype_name(e.dtype)}, got {tuple(g[1])} {g[0]}"
+            )
+        else:
+            names.append(name)
+    want = digests_like([expected[n] for n in names], [got[n][2] for n in names])
+    problems += [
+        f"{n} ({dtype_name(expected[n].dtype)} {tuple(expected[n].shape)}): digest {got[n][2]}, expected {w}"
+        for n, w in zip(names, want, strict=True)
+        if got[n][2] != w
+    ]
     return problems
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from harness import deadline, error_codec, phases, warm, wire
+from harness import checks, deadline, error_codec, phases, warm, wire
 from harness.api import (
     DEFAULT_TIMEOUT_S,
     JSON,
@@ -146,6 +146,11 @@ class _RankServer:
     def op_take_phases(self) -> dict[str, dict[str, float]]:
         """Where this rank's time went since the last take (harness.phases)."""
         return phases.take()
+
+    def op_weight_digests(self) -> dict[str, list]:
+        """The oracle's read of the live weights, digested here (checks.live_digests): gigabytes read
+        back need not cross the pipe to be compared."""
+        return checks.live_digests(self.engine)
 
     def op_serve_control(self, token: str, allowed_dirs: list[str]) -> str:
         """This rank's engine and receiver behind the HTTP control plane; returns its URL."""
@@ -636,6 +641,10 @@ class RemoteEngine(Engine):
         self._pump: threading.Thread | None = None
         self._reads_open = threading.Event()  # cleared while reads are held (a client that reads late)
         self._reads_open.set()
+
+    def live_digests(self) -> dict[str, list]:
+        """checks.live_digests of the engine, computed in the rank: name -> [dtype, shape, digest]."""
+        return protocol.call(self.rank, "weight_digests")
 
     @contextlib.contextmanager
     def reads_held(self):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from harness import wire
+from harness import checks, wire
 from harness.api import (
     JSON,
     Deployment,
@@ -114,6 +114,12 @@ class RemoteEngine(Engine):
             raise NotImplementedError("a remote engine's oracle needs a direct reader (pass oracle=...)")
         return self._oracle()
 
+    def live_digests(self) -> dict[str, list]:
+        """The oracle's read digested where the direct reader can (a rank), else here (checks.live_digests)."""
+        if self._direct is not None:
+            return checks.live_digests(self._direct)
+        return checks.live_digests(_OracleOnly(self.read_weights))
+
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         raise EngineStateError(
             "a remote engine commits only through its receiver's lifecycle (finish_weight_update)"
@@ -152,3 +158,10 @@ class RemoteDeployment(Deployment):
         for h in self.handles:
             h.engine.shutdown()
         self.sender.shutdown()
+
+
+class _OracleOnly:
+    """An object whose only member is the oracle's read (what checks.live_digests falls back to)."""
+
+    def __init__(self, read: Callable[[], dict[str, torch.Tensor]]):
+        self.read_weights = read

@@ -146,6 +146,7 @@ _TABLE: tuple[Op, ...] = (
     Op("reset", "rank", args=("spec",), codecs={"spec": SPEC}, rank_side="server", pipe_proxy=None),
     Op("ping", "rank", rank_side="server", pipe_proxy=None),
     Op("take_phases", "rank", rank_side="server", pipe_proxy=None),
+    Op("weight_digests", "rank", rank_side="server", pipe_proxy=None),
     Op("serve_control", "rank", args=("token", "allowed_dirs"), rank_side="server", pipe_proxy=None),
     Op("exit", "rank", timeout="given", rank_side="server", pipe_proxy=None),
 )  # fmt: skip
