@@ -36,7 +36,7 @@ if [ "$mode" = bench ]; then
   done
 else
   start=$(date +%s)
-  timeout 560 python3 -m harness.cli certify --device cuda --out "$run" "$@" > "$run/certify.log" 2>&1
+  timeout ${CERTIFY_TIMEOUT_S:-560} python3 -m harness.cli certify --device cuda --out "$run" "$@" > "$run/certify.log" 2>&1
   echo "certify exit $? after $(( $(date +%s) - start )) s"
   grep -vE "^\s*$" "$run/certify.log" | grep -E "passed|failed|could not|PASS|FAIL|fitted|ipc " | tail -24
   cp "$run"/certify-*/report.md "$OUT/certify-report.md" 2>/dev/null

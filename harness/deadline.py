@@ -120,6 +120,9 @@ class PhaseWatch:
         self._phase: tuple[str, float, float] = ("start", time.monotonic(), phase_budget("start", timeout_s))
         self._pause: tuple[str, float, float] | None = None  # (what, since, its own budget) while paused
         self._done = False
+        self._waited: dict[str, float] = {}  # per phase: what its threads waited for a CPU, pauses included
+        self._clock: tuple[str, str] | None = None  # the phase (and pause) the meter counts for
+        self._meter: RunQueueMeter | None = None
         self.overrun: Overrun | None = None
         self.error: BaseException | None = None
 
@@ -148,6 +151,15 @@ class PhaseWatch:
                 self._pause = None
                 self._cond.notify_all()
 
+    def waited_in(self, phase: str) -> float:
+        """What the threads of `phase` waited for a CPU so far (its pauses included), capped as its budget's
+        extension is: a check that bounds the phase's time in its own way extends its bound by it."""
+        with self._cond:
+            total = self._waited.get(phase, 0.0)
+            if self._meter is not None and self._clock is not None and self._clock[0] == phase:
+                total += self._meter.waited_s()
+        return min(total, MAX_EXTENSION * phase_budget(phase, self.timeout_s))
+
     def run(self, body: Callable[[PhaseWatch], None]) -> Overrun | None:
         """Run the work to its end or until a phase overruns (then `on_overrun`, and the work's
         cleanup gets CLEANUP_GRACE_S). The work's own exception is kept in `self.error`."""
@@ -168,16 +180,20 @@ class PhaseWatch:
 
         worker = threading.Thread(target=target, name="phase-watch", daemon=True)
         worker.start()
-        meter = RunQueueMeter(watched_threads(worker))
-        clock = None  # the phase or pause the meter counts for
+        meter = self._meter = RunQueueMeter(watched_threads(worker))
         with self._cond:
             while not self._done:
                 name, since, budget = self._phase
                 during = ""
                 if self._pause is not None:  # the phase's clock stands; the pause's own runs
                     during, since, budget = self._pause
-                if clock != (name, during):
-                    clock = (name, during)
+                if self._clock != (name, during):
+                    if self._clock is not None:  # the phase it counted for keeps what it waited
+                        meter.sample()
+                        self._waited[self._clock[0]] = (
+                            self._waited.get(self._clock[0], 0.0) + meter.waited_s()
+                        )
+                    self._clock = (name, during)
                     meter.reset()
                 else:
                     meter.sample()

@@ -328,6 +328,7 @@ def run_cell(
         watch.phase("recovery")
         recover(dep, obs, 3, ctx)
         seen.update({p.pid: p for p in dep.processes()})
+        obs.push_waited_s = watch.waited_in("push")
         result.verdict, result.reasons = judge_cell(obs)
         result.error = obs.error_text()
         result.detect_s, result.recover_s = round(obs.detect_s, 3), round(obs.recover_s, 3)

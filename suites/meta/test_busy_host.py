@@ -22,6 +22,7 @@ import pytest
 
 from harness import deadline
 from harness.api import RankFailure
+from harness.checks import CellObservation, judge_cell
 from harness.deadline import PhaseWatch
 from harness.deployment import push
 from harness.faults import engines as fault_engines
@@ -200,3 +201,36 @@ def test_a_phase_starved_of_cpu_gets_the_wait_and_a_hang_still_meets_its_deadlin
     assert overrun is not None, "a phase spinning for 60 s of CPU never overran"
     assert overrun.elapsed_s <= 1.5 * (1 + deadline.MAX_EXTENSION) + 1.0, overrun.describe()
     assert "waited for a CPU" in overrun.describe(), overrun.describe()
+
+
+def test_a_faulty_push_slowed_by_the_host_gets_the_wait_and_a_slow_one_still_fails(busy_host):
+    """The checker's other clock: a push that fails must say so within 2x the timeout (checks.judge_cell).
+    On the H200 with two suites of 8 workers each, a rank stopped in finish was detected at the rank call's
+    6 s and the push returned at 8.0 s of a 4 s timeout's 8 s bound: its cleanup had waited for a CPU. The
+    push phase's wait (PhaseWatch.waited_in) is added to that bound, and only that: a push slow on a quiet
+    thread still fails."""
+    seen = {}
+
+    def pushing(watch):
+        watch.phase("push")
+        _cpu_work(0.5)
+        watch.phase("heal")
+        seen["waited"] = watch.waited_in("push")
+
+    t0 = time.monotonic()
+    assert PhaseWatch(timeout_s=10.0).run(pushing) is None
+    took = time.monotonic() - t0
+    assert seen["waited"] > 0.2, (
+        f"0.5 s of CPU took {took:.1f} s beside busy loops, {seen['waited']:.2f} s waited"
+    )
+
+    def judged(detect_s: float, waited_s: float) -> list[str]:
+        obs = CellObservation(fault=None, timeout_s=4.0, versions={}, version=2)
+        obs.error, obs.detect_s, obs.push_waited_s = RankFailure("rank 2 gave no reply"), detect_s, waited_s
+        return [r for r in judge_cell(obs)[1] if "faulty push took" in r]
+
+    assert judged(8.6, waited_s=1.0) == []
+    (late,) = judged(8.6, waited_s=0.0)
+    assert late == "the faulty push took 8.6s, over 2x the 4s timeout", late
+    (still_late,) = judged(9.5, waited_s=1.0)
+    assert "+ 1.0s its threads waited for a CPU" in still_late, still_late
