@@ -75,6 +75,7 @@ RESTART_FLOOR_S = 1.0
 #: What killing a rank that gave no reply costs the supervisor beyond the call's timeout (the stack
 #: dump's wait, the join): the watch's bound on a restart leaves the supervisor's kill this much room.
 KILL_S = 0.25 + 5.0
+REAP_WAIT_S = 0.25  # after a SIGKILL on a timeout: how long the error waits to see the rank gone
 
 
 # ============================================================================ rank side
@@ -573,7 +574,9 @@ class RankProcess:
                     # the dump takes milliseconds; the kill must stay inside the bound
                     self.process.join(0.25)
                 self.process.kill()
-                self.process.join(KILL_S - 0.25)
+                # SIGKILL cannot be refused: the error need not wait for the kernel to reap it (a rank
+                # holding a CUDA context took 1-2 s more to end on the H200, past the 2x-timeout bound)
+                self.process.join(REAP_WAIT_S)
                 why = "it was stopped (SIGSTOP)" if stopped else f"stacks in {self.log_path}"
                 self._broken = f"no reply to {op} within {timeout:g}s (killed; {why})"
                 raise RankFailure(
