@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -36,7 +38,10 @@ class VllmControlServer:
         self.model_dir = build(dataclasses.replace(TINY_LLAMA, max_position_embeddings=CONTEXT), cache)
         self.data_dir = self.workdir / "data"
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.process = VllmServerProcess(self.model_dir, self.workdir / "server", max_model_len=CONTEXT)
+        # vLLM's ZMQ sockets live under the server's workdir, and a socket path has 107 characters at most:
+        # a test's tmp_path is too deep for it, so the server's own files go to a short /tmp folder
+        self._server_dir = Path(tempfile.mkdtemp(prefix="ws-vllm-"))
+        self.process = VllmServerProcess(self.model_dir, self._server_dir, max_model_len=CONTEXT)
         self.process.start()
         self.url = self.process.url
         self.token = None
@@ -57,7 +62,10 @@ class VllmControlServer:
         return safetensors.torch.load_file(str(path))
 
     def close(self) -> None:
-        self.process.stop()
+        try:
+            self.process.stop()
+        finally:
+            shutil.rmtree(self._server_dir, ignore_errors=True)
 
 
 def start(workdir: Path) -> VllmControlServer:
