@@ -86,7 +86,8 @@ class Served:
         return client
 
     def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"}
+        """The header a request carries to this server: none where it takes no token (vLLM's dev routes)."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def push(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """The full four-phase lifecycle over HTTP, the disk path as data plane."""

@@ -49,9 +49,10 @@ def test_push_over_http_lands_bit_for_bit_and_serves_the_new_version(served):
         served.push(version, w)
         assert_bitwise_equal(w, served.engine.read_weights(), f"after pushing version {version} over HTTP")
         info = served.client.weight_status()
-        assert (info["weight_version"], info["engine_version"]) == (str(version), version), (
-            f"weight_info {info}"
-        )
+        assert info["weight_version"] == str(version), f"weight_info {info}"
+        assert info.get("engine_version", version) == version, f"weight_status {info}"  # vLLM has none
+    if served.foreign is not None:  # its model is its own: what it computes is judged by the vLLM tier
+        return
     fresh = ReferenceEngine()
     try:
         fresh.commit_weights(weights_for(fresh, seed=2), 2)
@@ -237,14 +238,15 @@ def test_version_labels_follow_vllm(served):
     c.update_weights(served.deployment.sender.prepare(1, weights_for(served.engine, seed=1)))
     c.finish_weight_update("step-1")
     info = c.weight_status()
-    assert (info["weight_version"], info["engine_version"]) == ("step-1", 1), info
+    # the committed number beside the label: this server's /weight_status (vLLM has only /weight_info's label)
+    assert (info["weight_version"], info.get("engine_version", 1)) == ("step-1", 1), info
     c.update_weight_version("policy-7")
     assert c.weight_info()["weight_version"] == "policy-7" and served.engine.weight_version == 1
     c.start_weight_update()
     c.update_weights(served.deployment.sender.prepare(2, weights_for(served.engine, seed=2)))
     c.finish_weight_update(None)  # what vLLM's HTTPVLLMWeightSyncClient sends: no body at all
     info = c.weight_status()
-    assert (info["weight_version"], info["engine_version"]) == ("2", 2), info
+    assert (info["weight_version"], info.get("engine_version", 2)) == ("2", 2), info
 
 
 # --------------------------------------------------------------------------------------------- a refused commit
