@@ -10,7 +10,7 @@ hand), nothing leaked. The verdict lands in the results JSON ("fault_cell") for 
     pytest suites/faults --weightsync-hypothesis-profile=thorough  # + seeds drawn by hypothesis, 10 per cell
 
 Under the thorough profile hypothesis draws the seeds (`test_fault_cell_drawn`): a failing one is printed
-("Falsifying example: ... seed=N", rerun it with --weightsync-fault-seed=N) and kept in hypothesis'
+("Falsifying example", in newer hypothesis "Failing test case": ... seed=N, rerun it with --weightsync-fault-seed=N) and kept in hypothesis'
 example database, so the next run tries it first. Seeds are not shrunk: a smaller seed is not a simpler fault.
 """
 

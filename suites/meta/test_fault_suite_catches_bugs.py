@@ -118,4 +118,5 @@ def test_thorough_profile_draws_seeds_and_prints_the_failing_one(pytester):
         "--weightsync-fault-seeds=2",
     )
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*Falsifying example*", "*seed=*"])
+    # hypothesis names the failing draw "Falsifying example"; 6.170.27 (CI installs the newest) "Failing test case"
+    result.stdout.re_match_lines([r".*(Falsifying example|Failing test case).*", r".*seed=.*"])
