@@ -68,7 +68,9 @@ def _kind(pid: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit-gib", type=float, default=None, help="fail where the peak RSS sum passes this")
+    parser.add_argument(
+        "--limit-gib", type=float, default=None, help="fail where the peak RSS sum passes this"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -99,7 +101,9 @@ def main() -> int:
     for kind, (n, kib) in sorted(rss_census.items(), key=lambda kv: -kv[1][1]):
         print(f"  at the RSS peak: {n:3d} x {kind}: {kib / gib:.2f} GiB", flush=True)
     if args.limit_gib is not None and peak_rss / gib > args.limit_gib:
-        print(f"peak RSS sum {peak_rss / gib:.2f} GiB is over the limit of {args.limit_gib:g} GiB", flush=True)
+        print(
+            f"peak RSS sum {peak_rss / gib:.2f} GiB is over the limit of {args.limit_gib:g} GiB", flush=True
+        )
         return proc.returncode or 1
     return proc.returncode
 
