@@ -39,8 +39,9 @@ class VllmControlServer:
         self.data_dir = self.workdir / "data"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # vLLM's ZMQ sockets live under the server's workdir, and a socket path has 107 characters at most:
-        # a test's tmp_path is too deep for it, so the server's own files go to a short /tmp folder
-        self._server_dir = Path(tempfile.mkdtemp(prefix="ws-vllm-"))
+        # a test's tmp_path is too deep for it, so the server's own files go to a short /tmp folder (not
+        # $TMPDIR: the vLLM tier points it at a deep private folder)
+        self._server_dir = Path(tempfile.mkdtemp(prefix="ws-vllm-", dir="/tmp"))
         self.process = VllmServerProcess(self.model_dir, self._server_dir, max_model_len=CONTEXT)
         self.process.start()
         self.url = self.process.url

@@ -42,7 +42,8 @@ XFAILS = Path(__file__).with_name("control_xfails.txt")
 @pytest.mark.timeout(2400)
 def test_control_suites_against_real_vllm(tmp_path):
     results = tmp_path / "results.json"
-    base = Path(tempfile.mkdtemp(prefix="wsctl-"))  # outside tmp_path: the inner run's results stay apart
+    # short, outside tmp_path and the tier's TMPDIR
+    base = Path(tempfile.mkdtemp(prefix="wsctl-", dir="/tmp"))
     cmd = [
         sys.executable, "-m", "pytest", "suites/control/test_lifecycle.py", "-q", "-p", "no:cacheprovider",
         "-p", "no:randomly", "--weightsync-control-server=suites.vllm.control_target:start",
