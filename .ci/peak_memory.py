@@ -80,7 +80,8 @@ def main() -> int:
     while proc.poll() is None:
         pids = _tree(proc.pid)
         pss = sum(_kib(p, "Pss:") for p in pids)
-        rss = sum(_kib(p, "Rss:") for p in pids)
+        rss_of = {p: _kib(p, "Rss:") for p in pids}
+        rss = sum(rss_of.values())
         if pss > peak_pss:
             peak_pss, procs_at_peak = pss, len(pids)
         if rss > peak_rss:  # what held it: each kind of process and its RSS
@@ -88,7 +89,7 @@ def main() -> int:
             for p in pids:
                 entry = census.setdefault(_kind(p), [0, 0])
                 entry[0] += 1
-                entry[1] += _kib(p, "Rss:")
+                entry[1] += rss_of[p]
             peak_rss, rss_census = rss, census
         most_procs = max(most_procs, len(pids))
         time.sleep(1.0)

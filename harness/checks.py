@@ -29,6 +29,13 @@ def first_difference(expected: torch.Tensor, got: torch.Tensor) -> str:
     )
 
 
+def _layout_problem(name: str, expected: torch.Tensor, got_dtype: str, got_shape) -> str | None:
+    """The line for a tensor held with another dtype or shape than `expected`'s (None: the same)."""
+    if got_dtype == dtype_name(expected.dtype) and tuple(got_shape) == tuple(expected.shape):
+        return None
+    return f"{name}: expected {tuple(expected.shape)} {dtype_name(expected.dtype)}, got {tuple(got_shape)} {got_dtype}"
+
+
 def bitwise_mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> list[str]:
     """One line per tensor of `expected` that `got` lacks or does not hold bit for bit."""
     problems = []
@@ -37,10 +44,9 @@ def bitwise_mismatches(expected: Mapping[str, torch.Tensor], got: Mapping[str, t
             problems.append(f"{name}: missing from the engine")
             continue
         g = got[name]
-        if g.dtype != e.dtype or tuple(g.shape) != tuple(e.shape):
-            problems.append(
-                f"{name}: expected {tuple(e.shape)} {dtype_name(e.dtype)}, got {tuple(g.shape)} {dtype_name(g.dtype)}"
-            )
+        layout = _layout_problem(name, e, dtype_name(g.dtype), g.shape)
+        if layout:
+            problems.append(layout)
             continue
         e, g = e.cpu(), g.cpu()  # either side may live on a GPU
         if not torch.equal(as_bytes(e), as_bytes(g)):
@@ -53,9 +59,11 @@ def live_digests(engine) -> dict[str, list]:
     xxh3 on the host: manifest.digests). Computed where the engine lives when it can say so (a rank's
     pipe proxy answers `live_digests` from the rank), so a read-back of gigabytes moves 16 bytes each."""
     remote = getattr(engine, "live_digests", None)
-    if callable(remote):
-        return remote()
-    weights = engine.read_weights()
+    return remote() if callable(remote) else digest_weights(engine.read_weights())
+
+
+def digest_weights(weights: Mapping[str, torch.Tensor]) -> dict[str, list]:
+    """name -> [dtype, shape, digest] of tensors in this process (what live_digests answers)."""
     names = list(weights)
     sums = digests([weights[n] for n in names])
     return {
@@ -71,12 +79,9 @@ def digest_mismatches(expected: Mapping[str, torch.Tensor], engine) -> list[str]
     problems, names = [], []
     for name, e in expected.items():
         g = got.get(name)
-        if g is None:
-            problems.append(f"{name}: missing from the engine")
-        elif g[0] != dtype_name(e.dtype) or tuple(g[1]) != tuple(e.shape):
-            problems.append(
-                f"{name}: expected {tuple(e.shape)} {dtype_name(e.dtype)}, got {tuple(g[1])} {g[0]}"
-            )
+        layout = f"{name}: missing from the engine" if g is None else _layout_problem(name, e, g[0], g[1])
+        if layout:
+            problems.append(layout)
         else:
             names.append(name)
     want = digests_like([expected[n] for n in names], [got[n][2] for n in names])

@@ -72,8 +72,9 @@ POLL_INTERVAL = 0.05  # how often a waiting parent checks that the rank is still
 #: beside 4 busy loops), and under a second the host's scheduler decides more than the restart does.
 RESTART_FACTOR = 4.0
 RESTART_FLOOR_S = 1.0
-#: What killing a rank that gave no reply costs the supervisor beyond the call's timeout (the stack
-#: dump's wait, the join): the watch's bound on a restart leaves the supervisor's kill this much room.
+#: What killing a rank that gave no reply may cost the supervisor beyond the call's timeout (the stack
+#: dump's wait, the wait to see it gone: REAP_WAIT_S): the watch's bound on a restart leaves the
+#: supervisor's kill this much room.
 KILL_S = 0.25 + 5.0
 REAP_WAIT_S = 0.25  # after a SIGKILL on a timeout: how long the error waits to see the rank gone
 

@@ -118,7 +118,7 @@ class RemoteEngine(Engine):
         """The oracle's read digested where the direct reader can (a rank), else here (checks.live_digests)."""
         if self._direct is not None:
             return checks.live_digests(self._direct)
-        return checks.live_digests(_OracleOnly(self.read_weights))
+        return checks.digest_weights(self.read_weights())
 
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         raise EngineStateError(
@@ -158,10 +158,3 @@ class RemoteDeployment(Deployment):
         for h in self.handles:
             h.engine.shutdown()
         self.sender.shutdown()
-
-
-class _OracleOnly:
-    """An object whose only member is the oracle's read (what checks.live_digests falls back to)."""
-
-    def __init__(self, read: Callable[[], dict[str, torch.Tensor]]):
-        self.read_weights = read
