@@ -335,7 +335,9 @@ class _NeedlessCopySender(BroadcastSender):
         return super().prepare(version, named_tensors)
 
 
-NEEDLESS_COPIES = 100  # ~0.3 s a push at 64 MiB: past the fixed allowance (80 ms) as well as the bandwidth floor
+NEEDLESS_COPIES = (
+    100  # ~0.3 s a push at 64 MiB: past the fixed allowance (80 ms) as well as the bandwidth floor
+)
 
 
 class NeedlessCopyBroadcastBackend(BroadcastBackend):
