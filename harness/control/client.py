@@ -321,7 +321,9 @@ class ControlClient:
         return bool(self._json(self._call("GET", "/is_paused", repeatable=True))["is_paused"])
 
     def abort_requests(self, request_ids: Sequence[str] | None = None) -> int:
-        body = {"request_ids": list(request_ids)} if request_ids else None
+        # always a JSON object: vLLM's /abort_requests refuses a request without a body (400 "Invalid
+        # JSON format"); an object without ids aborts everything in flight
+        body = {"request_ids": list(request_ids)} if request_ids else {}
         return int(
             self._json(self._call("POST", "/abort_requests", json_body=body, repeatable=True)).get(
                 "aborted", 0

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 
 from fixtures.payloads import random_like_spec
 from harness.api import Completion, GenerationRequest, RequestStream
+from harness.control import routes
 from harness.control.client import ControlClient, RemoteStream
+from harness.pytest_plugin import NOT_SUPPORTED
 
 _ids = itertools.count()
 
@@ -333,3 +336,23 @@ def start_cli(
 def clean_env() -> dict[str, str]:
     """This process's environment without a control token: a CLI started with it runs without auth."""
     return {k: v for k, v in os.environ.items() if k not in ("WEIGHTSYNC_CONTROL_TOKEN", "VLLM_API_KEY")}
+
+
+def beyond_vllm(method: str, path: str) -> bool:
+    """A route of the harness server's own (its table marks it vllm=False): not vLLM's API."""
+    found = routes.find(method, path)
+    return found is not None and not found.vllm
+
+
+def require_route(served, method: str, path: str) -> None:
+    """Against a foreign server, a route beyond vLLM's API is NOT_SUPPORTED: no foreign server is asked
+    for the harness server's own routes (/weight_status, /weight_spec, /stats, /abort_weight_update)."""
+    if served.foreign is not None and beyond_vllm(method, path):
+        pytest.skip(f"{NOT_SUPPORTED}: {method} {path} is the harness server's own route, beyond vLLM's API")
+
+
+def require_text_prompts(served) -> None:
+    """A foreign server's object says `text_prompts = False` when it serves no tokenizer (a model without
+    one): a test that sends text is NOT_SUPPORTED there."""
+    if served.foreign is not None and not getattr(served.foreign, "text_prompts", True):
+        pytest.skip(f"{NOT_SUPPORTED}: the server under test serves no tokenizer: text prompts are refused")

@@ -18,7 +18,7 @@ import torch
 from harness.control.text import TextOut
 from harness.engines.byte_tokenizer import ByteTokenizer
 from harness.engines.reference import PREFIX_BLOCK
-from suites.control.helpers import weights_for
+from suites.control.helpers import require_text_prompts, weights_for
 
 TEXT = "héllo wörld ✓ 😀, grüße"
 LOGPROB_TOLERANCE = 1e-3  # two float32 forwards of the tiny model differ by ~1e-6 in a log-prob
@@ -26,6 +26,13 @@ LOGPROB_TOLERANCE = 1e-3  # two float32 forwards of the tiny model differ by ~1e
 
 def utf8_ids(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+@pytest.fixture(autouse=True)
+def _needs_text_prompts(request):
+    """Every test here sends text: against a server without a tokenizer, NOT_SUPPORTED."""
+    if "served" in request.fixturenames:
+        require_text_prompts(request.getfixturevalue("served"))
 
 
 def utf8_text(ids: list[int]) -> str:

@@ -47,7 +47,9 @@ def test_keep_freezes_in_flight_requests_and_continues_them_on_the_new_version(s
 
 
 def test_abort_requests_by_id_ends_only_those(served):
-    streams = start_streams(served.client, 3, 400, "abort-by-id")
+    streams = start_streams(
+        served.client, 3, 2000, "abort-by-id"
+    )  # long enough to outlive the abort on a fast engine
     wait_tokens(streams, 1)
     target = streams[0].request.request_id
     assert streams[0].abort() == 1, f"/abort_requests did not find {target}"

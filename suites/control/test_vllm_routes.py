@@ -13,17 +13,19 @@ import torch
 
 from harness.checks import assert_bitwise_equal
 from harness.paths.disk import DiskSender
-from suites.control.helpers import request, weights_for
+from suites.control.helpers import request, require_route, weights_for
 
 VLLM_ERROR_KEYS = {"message", "type", "param", "code"}
 CHECKSUM_PREFIX = "dp0:pp0:pcp0:tp0:"  # vLLM's key prefix for a single-rank worker
 
 
 def post(served, path: str, **kwargs) -> httpx.Response:
+    require_route(served, "POST", path)
     return httpx.post(served.url + path, headers=served.auth(), timeout=30, **kwargs)
 
 
 def get(served, path: str, **kwargs) -> httpx.Response:
+    require_route(served, "GET", path)
     return httpx.get(served.url + path, timeout=30, **kwargs)
 
 
