@@ -5,6 +5,7 @@
 # line goes).
 #   bash .ci/skyrl-tier.sh                  # what CI runs
 #   bash .ci/skyrl-tier.sh PYTEST_ARGS...    # any other selection, e.g. one finding's reproduction
+#   SKYRL_INSTALL_ONLY=1 bash .ci/skyrl-tier.sh   # build the venv and stop
 # skyrl 0.4.0 declares Python >= 3.12 and requires transformers, datasets and peft, none of which its
 # delta sync imports: on 3.11 it is installed without its dependency list, beside the few its delta
 # modules import (adapters/skyrl/weightsync_skyrl/skyrl_import.py says why the import works on 3.11).
@@ -23,6 +24,7 @@ if [ ! -f "$venv/.installed" ]; then
   touch "$venv/.installed"
 fi
 "$venv/bin/python" -c "import weightsync_skyrl.skyrl_import as s; print('skyrl delta classes:', s.__all__)"
+[ "${SKYRL_INSTALL_ONLY:-}" = 1 ] && exit 0  # .ci/run builds the venv early, in the background
 run() {
   "$venv/bin/python" -m pytest -p no:randomly --weightsync-backend=weightsync_skyrl:make_backend \
     --weightsync-xfails-file=adapters/skyrl/xfails.txt "$@"
