@@ -229,11 +229,14 @@ def push(
             versions = [_version_of(h) for h in deployment.handles]
             ranks = deployment.processes()
             who = f"engine {i} ({ranks[i].name})" if len(ranks) > i else f"engine {i}"
-            raise PartialCommitError(
+            partial = (
                 f"finish_weight_update({version}) failed on {who} after engine(s) {list(range(i))} committed; "
-                f"engines now serve versions {versions} (the next push converges them): {type(exc).__name__}: {exc}",
-                versions,
-            ) from exc
+                f"engines now serve versions {versions} (the next push converges them)"
+            )
+            if not isinstance(exc, Exception):  # a stop (SIGINT, SIGTERM) stays a stop: its exit status
+                exc.add_note(partial)
+                raise
+            raise PartialCommitError(f"{partial}: {type(exc).__name__}: {exc}", versions) from exc
     deployment.sender.complete(True)
     clock.lap("finish")
 

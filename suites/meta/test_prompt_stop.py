@@ -128,3 +128,28 @@ def test_validate_cluster_stopped_in_a_collective_wait_ends_within_the_bound(tmp
     report = json.loads((tmp_path / "validate-cluster.json").read_text())
     assert report["verdict"] == "STOPPED" and report["links"], report
     assert "stopped by SIGTERM during the smoke" in report["reasons"][0], report["reasons"]
+
+
+def test_a_stop_during_the_commit_stays_a_stop(tmp_path):
+    """A SIGINT or SIGTERM that lands while engine 1 commits, after engine 0 did, must leave push as the stop
+    it is (so the command exits 130 or 143), the partial commit noted on it, not turned into a
+    PartialCommitError (exit 1): seen once in CI as a bench stopped mid-row exiting 1."""
+    from harness import bench
+    from harness.api import spec_of
+    from harness.backends.ipc import IpcBackend
+    from harness.deployment import push
+
+    weights = bench.payload(1 << 20, 4, seed=3)
+    with IpcBackend().deploy(2, spec_of(weights), str(tmp_path)) as dep:
+        push(dep, 1, weights)
+        receiver = dep.handles[1].receiver
+
+        def stopped(version):
+            raise SystemExit(128 + signal.SIGINT)  # what harness.stopping raises on SIGINT
+
+        receiver.finish_weight_update = stopped
+        with pytest.raises(SystemExit) as raised:
+            push(dep, 2, weights)
+        assert raised.value.code == 130, raised.value
+        notes = getattr(raised.value, "__notes__", [])
+        assert any("after engine(s) [0] committed" in n for n in notes), notes

@@ -24,6 +24,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -32,6 +33,7 @@ import torch
 
 from harness.api import TensorSpec
 
+DRAIN_S = 120  # the longest a test's leftover requests may take to end before the server is not reused
 CONTEXT = 4096  # the longest request of suites/control asks 2000 tokens
 _reads = itertools.count()
 
@@ -109,8 +111,15 @@ class VllmControlServer:
 
                 if http.get("/is_sleeping").json().get("is_sleeping"):
                     post("/wake_up")
-                post("/pause", params={"mode": "abort"})  # what a test left in flight ends, aborted
+                post("/abort_requests", json={})  # what a test left in flight, held ones too
                 post("/resume")
+                # vLLM 0.32 let held streaming requests run on to their end here (they finished "length"):
+                # the server is handed on only once nothing is in flight (/load, --enable-server-load-tracking)
+                deadline = time.monotonic() + DRAIN_S
+                while http.get("/load").json().get("server_load", 0) > 0:
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.05)
                 rpc = post("/collective_rpc", json={"method": "weightsync_discard", "kwargs": {}})
                 if any(r.get("active") for r in rpc.json()["results"]):
                     post("/finish_weight_update", json={})  # closes the open update, applies nothing
