@@ -221,7 +221,7 @@ class PhaseWatch:
 
 
 def _calls_in_flight() -> str:
-    launch = sys.modules.get("harness.launch")  # not imported: no rank was ever started
+    launch = sys.modules.get("harness.launch.supervision")  # not imported: no rank was ever started
     return launch.describe_calls_in_flight(0.0, dump_stacks=True) if launch is not None else ""
 
 

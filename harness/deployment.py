@@ -130,7 +130,7 @@ class _Failed:
 
 def _begin(receiver, method: str, *args):
     """`method` sent to a receiver that can take it without waiting for its reply (a rank's pipe proxy:
-    RemoteReceiver.begin): its pending reply; None for the others (called on a thread instead)."""
+    PipeReceiver.begin): its pending reply; None for the others (called on a thread instead)."""
     begin = getattr(receiver, "begin", None)
     return begin(method, *args) if begin is not None else None
 

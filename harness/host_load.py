@@ -82,12 +82,12 @@ class RunQueueMeter:
 
 def watched_threads(worker: threading.Thread):
     """The threads a phase's work runs on: the watched worker thread of this process, and every thread of
-    every live rank process (harness.launch's, where it is imported)."""
+    every live rank process (harness.launch.supervision's, where it is imported)."""
     me = os.getpid()
 
     def threads() -> list[tuple[int, int]]:
         keys = [(me, worker.native_id)] if worker.native_id is not None else []
-        launch = sys.modules.get("harness.launch")
+        launch = sys.modules.get("harness.launch.supervision")
         if launch is not None:
             for pid in launch.live_rank_pids():
                 keys += [(pid, tid) for tid in _tasks(pid)]

@@ -730,7 +730,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
     if report.when == "call":
-        launch = sys.modules.get("harness.launch")
+        launch = sys.modules.get("harness.launch.supervision")
         if launch is not None:  # with the test's own ranks and the pool's, before any is closed
             live = launch.live_rank_count()
             item.config.stash[_PEAK_RANKS] = max(item.config.stash.get(_PEAK_RANKS, 0), live)
@@ -912,7 +912,7 @@ def pytest_runtest_call(item: pytest.Item):
 
     def on_alarm(signum, frame) -> None:
         calls = _rank_calls_in_flight(timed_out=True) or "no rank call in flight"
-        launch = sys.modules.get("harness.launch")
+        launch = sys.modules.get("harness.launch.supervision")
         if launch is not None:
             launch.kill_ranks_in_flight(grace_s=0.5)  # after their stack dumps
         raise DeadlineExceeded(f"{item.nodeid} ran past its {deadline:g} s deadline; {calls}")
@@ -942,8 +942,8 @@ _RUNNING = pytest.StashKey[
 
 def _rank_calls_in_flight(timed_out: bool) -> str:
     """'rank 1 (pid 1234) in 'poll' for 95.2 s; stacks in <log>' for each call a rank of this process has
-    not answered (harness.launch keeps the registry); after a timeout every one, its stacks dumped first."""
-    launch = sys.modules.get("harness.launch")  # not imported: no rank was ever started
+    not answered (harness.launch.supervision keeps the registry); after a timeout every one, its stacks dumped first."""
+    launch = sys.modules.get("harness.launch.supervision")  # not imported: no rank was ever started
     if launch is None:
         return ""
     return launch.describe_calls_in_flight(0.0 if timed_out else HANG_NOTE_S, dump_stacks=timed_out)
@@ -975,7 +975,7 @@ def _record_a_stop_from_outside(config: pytest.Config) -> None:
                 os.write(stderr_fd, f"\nweightsync: {message}\n".encode())
             _write_results(config)
             faulthandler.dump_traceback(file=stderr_fd, all_threads=True)
-            launch = sys.modules.get("harness.launch")
+            launch = sys.modules.get("harness.launch.supervision")
             if launch is not None:
                 launch.kill_live_ranks(grace_s=0.5)  # after their stack dumps; never left orphaned
         finally:

@@ -31,7 +31,7 @@ from harness.control.client import ControlClient, Timeouts
 from harness.control.remote import RemoteEngine as HttpEngine
 from harness.control.remote import RemoteReceiver as HttpReceiver
 from harness.launch import RankDeployment, RankProcess
-from harness.launch import RemoteEngine as RankEngine
+from harness.launch.pipe_proxies import PipeEngine
 from harness.paths.disk import DiskSender
 from harness.ranks import protocol
 
@@ -139,7 +139,7 @@ class ControlDeployment(RankDeployment):
             url, token=self._token, timeouts=self._timeouts, retries=1, retry_timeouts=False
         )
         self._clients.append(client)
-        return EngineHandle(SupervisedHttpReceiver(client, rank), HttpEngine(client, direct=RankEngine(rank)))
+        return EngineHandle(SupervisedHttpReceiver(client, rank), HttpEngine(client, direct=PipeEngine(rank)))
 
     def reset(self, spec: WeightSpec | None = None) -> None:
         """Fresh engines: every rank is restarted (a server holds its engine for its lifetime)."""

@@ -1,4 +1,4 @@
-"""Receiver ranks as containers: the same rank code (harness.launch.rank_main), another host.
+"""Receiver ranks as containers: the same rank code (harness.launch.rank_server.rank_main), another host.
 
 Rank side (inside the container):
 
@@ -32,21 +32,15 @@ from typing import Any
 
 from harness import wire
 from harness.api import TransferError, WeightSpec
-from harness.launch import (
-    DEFAULT_RPC_TIMEOUT,
-    RPC_SLACK,
-    START_TIMEOUT,
-    FifoLock,
-    RankDeployment,
-    RankProcess,
-)
+from harness.launch import RankDeployment
+from harness.launch.supervision import DEFAULT_RPC_TIMEOUT, RPC_SLACK, START_TIMEOUT, FifoLock, RankProcess
 
 AUTHKEY_ENV = "WEIGHTSYNC_RANK_AUTHKEY"
 
 
 # ============================================================================ rank side
 def main(argv: list[str] | None = None) -> None:
-    from harness.launch import rank_main
+    from harness.launch.rank_server import rank_main
 
     p = argparse.ArgumentParser(prog="python -m harness.faults.container_rank")
     p.add_argument("--connect", required=True, help="HOST:PORT of the trainer's listener")

@@ -4,12 +4,12 @@ with the `Engine` / `Receiver` / `InPlaceLoad` member it serves, its arguments a
 its timeout class, and its HTTP route.
 
 Made from the table:
-- the rank loop's dispatch (`serve`, called by `harness.launch`'s rank process): an operation that only
+- the rank loop's dispatch (`serve`, called by `harness.launch.rank_server`'s rank process): an operation that only
   calls its member on the rank's engine or receiver is served from the table alone; one that keeps state
   on the rank (open streams, an open in-place load) or is the rank's own (ping, reset, exit) is served
   by the rank server's method `op_<name>`;
-- the pipe proxies' methods (`pipe_proxy`, a class decorator on `harness.launch`'s `RemoteReceiver`,
-  `RemoteEngine` and its in-place load): real methods and properties with the API's signatures, which
+- the pipe proxies' methods (`pipe_proxy`, a class decorator on `harness.launch.pipe_proxies`' `PipeReceiver`,
+  `PipeEngine` and its in-place load): real methods and properties with the API's signatures, which
   encode, call with the operation's timeout and decode. The few that do more than that on the trainer's
   side (submit feeds local streams; pause and abort_requests show their effect in those streams on return;
   begin_in_place_load hands back a load object) are written by hand, call through `call`, and are marked
@@ -174,7 +174,7 @@ def op_for(target: str, method: str) -> Op | None:
 # ============================================================================ the trainer's side
 class Rank(Protocol):
     """What `call` needs of a rank: `call(name, timeout, tensors, **json_args)` and its `timeout`
-    (harness.launch.RankProcess)."""
+    (harness.launch.supervision.RankProcess)."""
 
     timeout: float
 
@@ -193,7 +193,7 @@ def call(rank: Rank, name: str, *args: Any, timeout: float | None = None, **kwar
 
 
 class Pending(Protocol):
-    """A call sent and not yet answered (harness.launch.PendingCall)."""
+    """A call sent and not yet answered (harness.launch.supervision.PendingCall)."""
 
     def wait(self, timeout: float | None = None) -> bool: ...
 

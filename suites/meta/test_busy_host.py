@@ -28,7 +28,8 @@ from harness.deployment import push
 from harness.faults import engines as fault_engines
 from harness.faults.cell import run_cell, seeded_weights, with_timeout
 from harness.faults.injectors import COMMIT_FAIL_DIR_ENV
-from harness.launch import KILL_S, RESTART_FACTOR, RESTART_FLOOR_S
+from harness.launch.rank_deployment import RESTART_FACTOR, RESTART_FLOOR_S
+from harness.launch.supervision import KILL_S
 from harness.registry import resolve_backend
 from suites.meta.broken import HANG_START_ENV, NoRestartBackend
 

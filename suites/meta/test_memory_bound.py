@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import live_rank_count
+from harness.launch.supervision import live_rank_count
 from harness.procs import pid_alive
 from harness.pytest_plugin import MAX_LIVE_DEPLOYMENTS, DeploymentPool, Selection
 from harness.registry import engine_path, resolve_backend

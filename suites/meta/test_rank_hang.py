@@ -20,7 +20,13 @@ import pytest
 
 from harness.api import GenerationRequest, RankFailure
 from harness.backends.ipc import IpcBackend
-from harness.launch import RPC_SLACK, FifoLock, RankBusy, calls_in_flight, describe_calls_in_flight
+from harness.launch.supervision import (
+    RPC_SLACK,
+    FifoLock,
+    RankBusy,
+    calls_in_flight,
+    describe_calls_in_flight,
+)
 from harness.procs import process_state
 from harness.report import EXIT_STATUS, FAIL, UNDECIDED, decide
 from harness.suite_runs import fail_the_stopped_test
@@ -253,7 +259,7 @@ def test_a_begun_call_is_read_in_order_and_bounded_by_its_own_deadline(tmp_path)
 HUNG_TEST = """
 import os, subprocess, time
 from pathlib import Path
-from harness import launch
+from harness.launch import supervision
 
 class _Process:
     def __init__(self, popen):
@@ -263,7 +269,7 @@ class _Process:
     def kill(self):
         self.popen.kill()
 
-class _Rank:  # a rank of harness.launch's registry with a call in flight (the child stands in for it)
+class _Rank:  # a rank of harness.launch.supervision's registry with a call in flight (the child stands in for it)
     def __init__(self, log):
         self.rank, self.log_path = 1, log
         self.process = _Process(subprocess.Popen(["sleep", "60"]))
@@ -272,7 +278,7 @@ class _Rank:  # a rank of harness.launch's registry with a call in flight (the c
 
 def test_hangs(tmp_path):
     rank = _Rank(tmp_path / "rank1.log")
-    launch._LIVE_RANKS.add(rank)
+    supervision._LIVE_RANKS.add(rank)
     Path(os.environ["HANG_READY"]).write_text(str(rank.pid))
     time.sleep(60)  # the hang
 """

@@ -15,7 +15,8 @@ from harness.api import Engine, InPlaceLoad, Receiver, TensorSpec
 from harness.backends.control import SupervisedHttpReceiver
 from harness.control import remote as http
 from harness.control import routes
-from harness.launch import RemoteEngine, RemoteReceiver, _RankServer, _RemoteInPlaceLoad
+from harness.launch.pipe_proxies import PipeEngine, PipeInPlaceLoad, PipeReceiver
+from harness.launch.rank_server import RankServer
 from harness.ranks import protocol
 from harness.ranks.protocol import LOCAL, OPS
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.meta
 
 RERUN = "Rerun: python -m pytest suites/meta/test_rank_protocol.py -p no:randomly"
 API = {"engine": Engine, "receiver": Receiver, "load": InPlaceLoad}
-PIPE_PROXIES = {"engine": RemoteEngine, "receiver": RemoteReceiver, "load": _RemoteInPlaceLoad}
+PIPE_PROXIES = {"engine": PipeEngine, "receiver": PipeReceiver, "load": PipeInPlaceLoad}
 HTTP_PROXIES = {"engine": http.RemoteEngine, "receiver": http.RemoteReceiver}
 
 
@@ -65,9 +66,9 @@ def test_every_operation_is_served_by_the_rank_loop():
     wrong = []
     for op in OPS.values():
         if op.rank_side == "server":
-            handler = getattr(_RankServer, f"op_{op.name}", None)
+            handler = getattr(RankServer, f"op_{op.name}", None)
             if handler is None or parameters(handler) != op.args:
-                wrong.append(f"{op.name}: _RankServer.op_{op.name} takes {handler and parameters(handler)}")
+                wrong.append(f"{op.name}: RankServer.op_{op.name} takes {handler and parameters(handler)}")
         else:
             member = op.api_member
             got = () if op.is_property else parameters(member)
@@ -77,7 +78,7 @@ def test_every_operation_is_served_by_the_rank_loop():
                 )
         if op.frame is not None and op.frame not in op.args:
             wrong.append(f"{op.name}: its frame {op.frame!r} is not one of its arguments {op.args}")
-    handlers = {n.removeprefix("op_") for n in vars(_RankServer) if n.startswith("op_")}
+    handlers = {n.removeprefix("op_") for n in vars(RankServer) if n.startswith("op_")}
     strays = handlers - {op.name for op in OPS.values() if op.rank_side == "server"}
     assert not wrong and not strays, f"rank loop vs table: {wrong}; handlers with no row: {strays}. {RERUN}"
 
@@ -143,7 +144,7 @@ def test_the_pipe_proxies_encode_arguments_replies_and_timeouts_as_the_table_say
     t = {"w": torch.arange(3.0)}
     spec = {"w": TensorSpec((3,), torch.float32)}
     rank = RecordingRank({"weight_spec": wire.spec_to_json(spec), "weight_version": 4, "read_weights": t})
-    receiver, engine, load = RemoteReceiver(rank), RemoteEngine(rank), _RemoteInPlaceLoad(rank)
+    receiver, engine, load = PipeReceiver(rank), PipeEngine(rank), PipeInPlaceLoad(rank)
     receiver.finish_weight_update(3)
     receiver.abort_weight_update()
     engine.commit_weights(t, 5)
@@ -178,9 +179,9 @@ class LoopbackRank:
 
 
 def test_the_rank_loop_and_the_pipe_proxy_round_trip_every_kind_of_operation():
-    server = _RankServer(1, "harness.paths.disk:DiskReceiver", None, {"x": TensorSpec((4,), torch.bfloat16)})
+    server = RankServer(1, "harness.paths.disk:DiskReceiver", None, {"x": TensorSpec((4,), torch.bfloat16)})
     try:
-        engine = RemoteEngine(LoopbackRank(server))
+        engine = PipeEngine(LoopbackRank(server))
         assert engine.weight_spec() == server.engine.weight_spec()
         weights = {n: torch.full_like(t, 0.5) for n, t in engine.read_weights().items()}
         engine.commit_weights(weights, 1)
