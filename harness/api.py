@@ -642,6 +642,14 @@ class Backend(abc.ABC):
     #: Why the declared floors are what they are (what was measured, where, when): the report prints it
     #: beside the floor. None where the backend declares none of its own.
     floor_reason: str | None = None
+    #: What a path declares for the harness's own tiers and reports, so adding a path touches its own
+    #: module and the registry only. `soak`: the fault soak (harness.faults.soak) cycles through it.
+    #: `dense_path`: for a delta path, the registry name of the dense path it rides on (what its rows
+    #: are compared with). `control_receiver`: its receiver (`pkg.module:Class`) where the control
+    #: server's command line can serve it alone, beside an engine, with init_info sent over HTTP.
+    soak: bool = False
+    dense_path: str | None = None
+    control_receiver: str | None = None
 
     @abc.abstractmethod
     def deploy(

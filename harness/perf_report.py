@@ -47,8 +47,16 @@ def receivers_table(rows: list[SyncRow]) -> list[str]:
     return lines
 
 
-#: The dense path a delta path rides on: what it must beat.
-DENSE_OF = {"delta": "broadcast", "delta-ipc": "ipc"}
+def dense_path_of(name: str) -> str:
+    """The dense path a delta path rides on, what it must beat: its Backend's `dense_path` (broadcast for
+    a path the registry cannot name)."""
+    from harness.api import BackendError
+    from harness.registry import resolve_backend
+
+    try:
+        return resolve_backend(name, "cpu").dense_path or "broadcast"
+    except BackendError:
+        return "broadcast"
 
 
 def crossover_table(rows: list[SyncRow]) -> tuple[list[str], dict[str, float | None]]:
@@ -70,7 +78,7 @@ def crossover_table(rows: list[SyncRow]) -> tuple[list[str], dict[str, float | N
         if n > swept.get(r.path, ((), 0))[1]:
             swept[r.path] = (key, n)
     for r in deltas:
-        base = DENSE_OF.get(r.path, "broadcast")
+        base = dense_path_of(r.path)
         d = dense.get((base, r.size_bytes, r.receivers))
         if d is None:
             continue
@@ -192,7 +200,7 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
             key=lambda k: sum(1 for r in mine if (r.receivers, r.size_bytes) == k),
         )
         pts = sorted((r for r in mine if (r.receivers, r.size_bytes) == swept), key=lambda r: r.changed)
-        base = DENSE_OF.get(name, "broadcast")
+        base = dense_path_of(name)
         xs, ys = [], []
         for r in pts:
             d = by_dense.get((base, r.size_bytes, r.receivers))

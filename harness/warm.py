@@ -23,19 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 from harness.procs import pid_alive
+from harness.registry import BUILTIN_BACKENDS
 
 #: What the server imports before its first fork: torch, and the harness modules a rank process imports
-#: (its loop, the reference and fault engines, every built-in path's receiver).
+#: (its loop, the reference and fault engines, every built-in backend's module and so its path's receiver).
 PRELOAD = (
     "torch",
     "safetensors.torch",
     "harness.launch",
     "harness.engines.reference",
     "harness.faults.engines",
-    "harness.paths.disk",
-    "harness.paths.ipc",
-    "harness.paths.broadcast",
-    "harness.paths.delta",
+    *dict.fromkeys(path.partition(":")[0] for path in BUILTIN_BACKENDS.values()),
 )
 
 _lock = threading.Lock()

@@ -14,6 +14,8 @@ class BroadcastBackend(Backend):
 
     name = "broadcast"
     sender_cls = BroadcastSender
+    soak = True
+    control_receiver = "harness.paths.broadcast:BroadcastReceiver"
 
     def __init__(
         self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S

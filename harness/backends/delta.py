@@ -33,6 +33,8 @@ class DeltaBackend(Backend):
             ("nccl" if gpu else "gloo") if transport == "broadcast" else ("device-copy" if gpu else "memcpy")
         )
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
+        self.dense_path = transport  # what its rows are compared with: the dense path it rides on
+        self.soak = transport == "broadcast"
         self.bandwidth_floor = None if gpu else (0.15 if transport == "broadcast" else 0.05)
         self.floor_reason = (
             "on the host, building and applying patches costs more than moving the dense bytes: 0.42 "

@@ -16,6 +16,8 @@ class DiskBackend(Backend):
 
     name = "disk"
     ceiling = "disk"
+    soak = True
+    control_receiver = "harness.paths.disk:DiskReceiver"
     capabilities = Capabilities(multi_receiver=True, max_receivers=8, interposable=True, buckets=True)
 
     def __init__(self, shard_bytes: int = DEFAULT_SHARD_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S):

@@ -12,6 +12,7 @@ class IpcBackend(Backend):
     """Built-in backend `ipc`: engines in their own processes map the trainer's shared memory."""
 
     name = "ipc"
+    soak = True
     receiver_path = "harness.paths.ipc:IpcReceiver"  # what each rank runs (a variant names its own)
 
     def __init__(

@@ -32,7 +32,7 @@ from harness.control.server import (
     token_from_environment,
 )
 
-__all__ = ["RECEIVERS", "ClientLimits", "ServerThread", "main", "serve"]
+__all__ = ["ClientLimits", "ServerThread", "main", "serve"]
 
 log = logging.getLogger("weightsync.control")
 
@@ -117,10 +117,12 @@ def serve(
 
 
 # --------------------------------------------------------------------------------------------- CLI
-RECEIVERS = {
-    "disk": "harness.paths.disk:DiskReceiver",
-    "broadcast": "harness.paths.broadcast:BroadcastReceiver",
-}
+def control_receivers() -> dict[str, str]:
+    """{path name: its receiver} for the built-in paths whose Backend declares a `control_receiver`."""
+    from harness.registry import BUILTIN_BACKENDS, resolve_backend
+
+    found = {name: resolve_backend(name, "cpu").control_receiver for name in BUILTIN_BACKENDS}
+    return {name: path for name, path in found.items() if path}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     Without one the server runs unauthenticated on a loopback address (and says so) and refuses any other."""
     from harness.registry import load_object, make_engine
 
+    receivers = control_receivers()
     ap = argparse.ArgumentParser(prog="python -m harness.control.app", description=main.__doc__)
     ap.add_argument(
         "--engine", default="reference", help="engine: reference, reference-tied or pkg.module:factory"
     )
-    ap.add_argument("--path", default="disk", help=f"receiver: {sorted(RECEIVERS)} or pkg.module:Class")
+    ap.add_argument("--path", default="disk", help=f"receiver: {sorted(receivers)} or pkg.module:Class")
     ap.add_argument("--host", default=DEFAULT_HOST)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument(
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     engine = make_engine(args.engine, None)
-    receiver = load_object(RECEIVERS.get(args.path, args.path))(engine)
+    receiver = load_object(receivers.get(args.path, args.path))(engine)
     cfg = ServerConfig(
         token=token or None,
         host=args.host,

@@ -28,8 +28,14 @@ from harness.faults.cell import (
 from harness.faults.injectors import FaultContext, PointNotApplicable
 from harness.faults.kinds import FAULTS
 from harness.paths.ipc import own_segments
+from harness.registry import BUILTIN_BACKENDS, resolve_backend
 
-SOAK_BACKENDS = ("broadcast", "ipc", "delta", "disk")
+
+def soak_backends() -> tuple[str, ...]:
+    """The built-in paths whose Backend declares `soak` (each path says so in its own module)."""
+    return tuple(name for name in BUILTIN_BACKENDS if resolve_backend(name, "cpu").soak)
+
+
 #: The faults a soak cycles through, those of them that apply to the path (none that mounts): faults
 #: during a push, and damage between syncs (harness.faults.between).
 SOAK_FAULTS = (

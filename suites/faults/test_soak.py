@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.faults.soak import SOAK_BACKENDS, run_soak
+from harness.faults.soak import run_soak, soak_backends
 
 pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.multiproc]
 
 
-@pytest.mark.parametrize("backend_name", SOAK_BACKENDS)
+@pytest.mark.parametrize("backend_name", soak_backends())
 def test_soak_with_a_fault_every_20_syncs(backend_name, weightsync_selection, tmp_path, request):
     if backend_name not in weightsync_selection.backends:
         pytest.skip(f"{backend_name} is not selected (--weightsync-backend)")
