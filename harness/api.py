@@ -651,16 +651,39 @@ class Backend(abc.ABC):
     dense_path: str | None = None
     control_receiver: str | None = None
 
-    @abc.abstractmethod
     def deploy(
         self,
         n_receivers: int,
         spec: WeightSpec | None,
         workdir: str,
-        engine: str = DEFAULT_ENGINE,
+        engine: str | None = None,
         bucket_bytes: int | None = None,
     ) -> Deployment:
         """Build a Sender and `n_receivers` engines, each made by the engine factory named `engine`
-        (an import path `pkg.module:factory` taking the spec) with `spec` (None: its default model).
-        A backend that claims `buckets` takes `bucket_bytes` (None: its own `bucket_bytes`), so a suite
-        can make any path cross its own boundaries."""
+        (an import path `pkg.module:factory` taking the spec; None: the reference engine) with `spec` (None:
+        its default model). A backend that claims `buckets` takes `bucket_bytes` (None: its own
+        `bucket_bytes`), so a suite can make any path cross its own boundaries. A backend implements
+        `build`, which takes these as one DeployRequest (or overrides this method)."""
+        return self.build(DeployRequest(n_receivers, spec, workdir, engine, bucket_bytes))
+
+    def build(self, request: DeployRequest) -> Deployment:
+        """The deployment `request` asks for (see `deploy`)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither build(request) nor deploy(...)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployRequest:
+    """What `Backend.deploy` is asked for, as the one object a backend's `build` takes: `n_receivers`
+    engines made by the engine factory named `engine` (None: the reference) with the weight spec `spec`
+    (None: its default model), their files under `workdir`; `bucket_bytes`, the data plane's unit, for a
+    backend that claims `buckets` (None: its own)."""
+
+    n_receivers: int
+    spec: WeightSpec | None
+    workdir: str
+    engine: str | None = None
+    bucket_bytes: int | None = None
+
+    def unit(self, default: int) -> int:
+        """The bucket size asked for, else the backend's own `default`."""
+        return self.bucket_bytes or default

@@ -3,7 +3,10 @@ and a receiver per rank process). The factories here are what harness.registry n
 
 from __future__ import annotations
 
-from harness.api import JSON, Sender, WeightSpec
+import abc
+from typing import Any
+
+from harness.api import DEFAULT_TIMEOUT_S, JSON, Backend, Deployment, DeployRequest, Sender
 from harness.launch import RankDeployment
 
 
@@ -15,32 +18,47 @@ def _init_info_with_rank(info: JSON, rank: int) -> JSON:
     return {**info, "rank": rank}
 
 
-def rank_deployment(
-    sender: Sender,
-    receiver_path: str,
-    n_receivers: int,
-    spec: WeightSpec | None,
-    workdir: str,
-    engine: str | None,
-    timeout_s: float,
-    *,
-    rank_in_init_info: bool = False,
-    deployment_cls: type[RankDeployment] = RankDeployment,
-    **extra,
-) -> RankDeployment:
-    """A backend's `deploy`: `sender` in the trainer and `n_receivers` rank processes, each a receiver
-    (`receiver_path`, `pkg.module:Class`) with an engine, supervised with `timeout_s`. Every rank gets
-    the sender's init info, with its own rank number added where `rank_in_init_info` (a process group:
-    broadcast and delta over it). `deployment_cls` places the ranks elsewhere (e.g. containers; `extra`
-    goes to it)."""
-    return deployment_cls(
-        sender=sender,
-        receiver_path=receiver_path,
-        n_receivers=n_receivers,
-        spec=spec,
-        engine=engine,
-        workdir=workdir,
-        rank_init_info=_init_info_with_rank if rank_in_init_info else _same_init_info,
-        timeout=timeout_s,
-        **extra,
-    )
+class RankBackend(Backend):
+    """A backend whose receivers run in supervised rank processes (harness.launch), one per engine: it
+    makes its sender and names its receiver; the deployment is wired here, once for every such path.
+
+    Every rank gets the sender's init info, with its own rank number added where `rank_in_init_info` (a
+    process group: broadcast, and delta over it); ranks are supervised with `timeout_s`."""
+
+    #: the receiver each rank runs, `pkg.module:Class` (imported again in the rank process)
+    receiver_path: str
+    rank_in_init_info: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @abc.abstractmethod
+    def make_sender(self, request: DeployRequest, **sender_options: Any) -> Sender:
+        """The trainer's side of the path for `request` (`sender_options`: what `build_with` was given
+        for it, e.g. the address the ranks reach the trainer at)."""
+
+    def receiver_for(self, request: DeployRequest) -> str:
+        """The receiver the ranks run for `request` (a path whose receiver depends on it overrides this)."""
+        return self.receiver_path
+
+    def build(self, request: DeployRequest) -> Deployment:
+        return self.build_with(RankDeployment, request)
+
+    def build_with(
+        self,
+        deployment_cls: type[RankDeployment],
+        request: DeployRequest,
+        sender_options: dict[str, Any] | None = None,
+        **placement: Any,
+    ) -> RankDeployment:
+        """This path's deployment with its ranks placed by `deployment_cls` (e.g. in containers; `placement`
+        goes to it) and `sender_options` to `make_sender`."""
+        return deployment_cls(
+            sender=self.make_sender(request, **(sender_options or {})),
+            receiver_path=self.receiver_for(request),
+            n_receivers=request.n_receivers,
+            spec=request.spec,
+            engine=request.engine,
+            workdir=request.workdir,
+            rank_init_info=_init_info_with_rank if self.rank_in_init_info else _same_init_info,
+            timeout=self.timeout_s,
+            **placement,
+        )

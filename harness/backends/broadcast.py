@@ -3,19 +3,19 @@ trainer and a receiver per rank process, over gloo (CPU) or NCCL (the GPU varian
 
 from __future__ import annotations
 
-from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, WeightSpec
-from harness.backends import rank_deployment
-from harness.launch import RankDeployment
+from harness.api import DEFAULT_TIMEOUT_S, Capabilities, DeployRequest
+from harness.backends import RankBackend
 from harness.paths.broadcast import BroadcastSender
 
 
-class BroadcastBackend(Backend):
+class BroadcastBackend(RankBackend):
     """Built-in backend `broadcast`: rank 0 in this process, receivers in spawned rank processes."""
 
     name = "broadcast"
     sender_cls = BroadcastSender
     soak = True
-    control_receiver = "harness.paths.broadcast:BroadcastReceiver"
+    receiver_path = control_receiver = "harness.paths.broadcast:BroadcastReceiver"
+    rank_in_init_info = True  # a process group: each rank joins as itself
 
     def __init__(
         self, backend: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = DEFAULT_TIMEOUT_S
@@ -28,42 +28,10 @@ class BroadcastBackend(Backend):
             multi_receiver=True, max_receivers=16, gpu=backend == "nccl", interposable=True, buckets=True
         )
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ):
-        return self.deploy_with(RankDeployment, n_receivers, spec, workdir, engine, bucket_bytes=bucket_bytes)
-
-    def deploy_with(
-        self,
-        deployment_cls,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        addr: str | None = None,
-        bucket_bytes: int | None = None,
-        **extra,
-    ):
-        """This path's wiring in another RankDeployment class (ranks placed elsewhere, e.g. containers),
-        the sender's store at `addr` (the trainer's address as the ranks see it)."""
-        return rank_deployment(
-            self.sender_cls(
-                n_receivers, self.backend, bucket_bytes or self.bucket_bytes, self.timeout_s, addr=addr
-            ),
-            "harness.paths.broadcast:BroadcastReceiver",
-            n_receivers,
-            spec,
-            workdir,
-            engine,
-            self.timeout_s,
-            rank_in_init_info=True,
-            deployment_cls=deployment_cls,
-            **extra,
+    def make_sender(self, request: DeployRequest, addr: str | None = None) -> BroadcastSender:
+        """`addr`: the trainer's address as the ranks see it (ranks placed elsewhere, e.g. containers)."""
+        return self.sender_cls(
+            request.n_receivers, self.backend, request.unit(self.bucket_bytes), self.timeout_s, addr=addr
         )
 
 

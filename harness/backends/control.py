@@ -21,6 +21,7 @@ from harness.api import (
     DEFAULT_TIMEOUT_S,
     Backend,
     Capabilities,
+    DeployRequest,
     EngineHandle,
     RankFailure,
     Receiver,
@@ -165,15 +166,10 @@ class ControlBackend(Backend):
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = timeout_s
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ):
-        return ControlDeployment(n_receivers, spec, workdir, engine, self.timeout_s)
+    def build(self, request: DeployRequest) -> ControlDeployment:
+        return ControlDeployment(
+            request.n_receivers, request.spec, request.workdir, request.engine, self.timeout_s
+        )
 
 
 def make_backend() -> ControlBackend:

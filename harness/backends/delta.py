@@ -3,15 +3,15 @@ broadcast or the shared-memory transport."""
 
 from __future__ import annotations
 
-from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, Sender, WeightSpec
-from harness.backends import rank_deployment
+from harness.api import DEFAULT_TIMEOUT_S, Capabilities, DeployRequest, Sender
+from harness.backends import RankBackend
 from harness.paths.broadcast import BroadcastSender
 from harness.paths.delta import DEFAULT_MAX_SPARSE_FRACTION, DeltaSender
 from harness.paths.ipc import DEFAULT_BUCKET_BYTES as IPC_BUCKET_BYTES
 from harness.paths.ipc import IpcSender
 
 
-class DeltaBackend(Backend):
+class DeltaBackend(RankBackend):
     """Built-in backends `delta` (over broadcast) and `delta-ipc` (over shared memory)."""
 
     def __init__(
@@ -35,6 +35,12 @@ class DeltaBackend(Backend):
         self.name = "delta" if transport == "broadcast" else f"delta-{transport}"
         self.dense_path = transport  # what its rows are compared with: the dense path it rides on
         self.soak = transport == "broadcast"
+        self.rank_in_init_info = transport == "broadcast"  # a process group: each rank joins as itself
+        self.receiver_path = (
+            "harness.paths.delta:DeltaReceiver"
+            if transport == "broadcast"
+            else "harness.paths.delta:DeltaIpcReceiver"
+        )
         self.bandwidth_floor = None if gpu else (0.15 if transport == "broadcast" else 0.05)
         self.floor_reason = (
             "on the host, building and applying patches costs more than moving the dense bytes: 0.42 "
@@ -57,33 +63,14 @@ class DeltaBackend(Backend):
             buckets=True,
         )
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ):
-        unit = bucket_bytes or self.bucket_bytes
-        over_broadcast = self.transport == "broadcast"
-        if over_broadcast:
+    def make_sender(self, request: DeployRequest) -> DeltaSender:
+        unit = request.unit(self.bucket_bytes)
+        if self.transport == "broadcast":
             backend = "nccl" if self.device != "cpu" else "gloo"
-            transport: Sender = BroadcastSender(n_receivers, backend, unit, timeout_s=self.timeout_s)
-            receiver_path = "harness.paths.delta:DeltaReceiver"
+            transport: Sender = BroadcastSender(request.n_receivers, backend, unit, timeout_s=self.timeout_s)
         else:
             transport = IpcSender(self.device, unit)
-            receiver_path = "harness.paths.delta:DeltaIpcReceiver"
-        return rank_deployment(
-            DeltaSender(transport, self.max_sparse_fraction),
-            receiver_path,
-            n_receivers,
-            spec,
-            workdir,
-            engine,
-            self.timeout_s,
-            rank_in_init_info=over_broadcast,  # a process group: each rank joins as itself
-        )
+        return DeltaSender(transport, self.max_sparse_fraction)
 
 
 def make_backend() -> DeltaBackend:

@@ -3,12 +3,12 @@ own processes; POSIX shared memory on CPU, CUDA IPC handles in the GPU variant."
 
 from __future__ import annotations
 
-from harness.api import DEFAULT_TIMEOUT_S, Backend, Capabilities, WeightSpec
-from harness.backends import rank_deployment
+from harness.api import DEFAULT_TIMEOUT_S, Capabilities, DeployRequest
+from harness.backends import RankBackend
 from harness.paths.ipc import DEFAULT_BUCKET_BYTES, IpcSender
 
 
-class IpcBackend(Backend):
+class IpcBackend(RankBackend):
     """Built-in backend `ipc`: engines in their own processes map the trainer's shared memory."""
 
     name = "ipc"
@@ -42,23 +42,8 @@ class IpcBackend(Backend):
             buckets=True,
         )
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ):
-        return rank_deployment(
-            IpcSender(self.device, bucket_bytes or self.bucket_bytes),
-            self.receiver_path,
-            n_receivers,
-            spec,
-            workdir,
-            engine,
-            self.timeout_s,
-        )
+    def make_sender(self, request: DeployRequest) -> IpcSender:
+        return IpcSender(self.device, request.unit(self.bucket_bytes))
 
 
 def make_backend(device: str = "cpu") -> IpcBackend:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import wire
-from harness.api import TransferError, WeightSpec
+from harness.api import DeployRequest, TransferError, WeightSpec
 from harness.launch import RankDeployment
 from harness.launch.supervision import DEFAULT_RPC_TIMEOUT, RPC_SLACK, START_TIMEOUT, FifoLock, RankProcess
 
@@ -232,13 +232,10 @@ def deploy_broadcast(
     """What BroadcastBackend.deploy builds, with the receiver ranks in containers on `host`: the sender
     hosts its store on the bridge gateway (the trainer's address as the containers see it). The trainer
     process needs host.trainer_env() in its environment (GLOO_SOCKET_IFNAME: gloo must listen on the bridge)."""
-    return backend.deploy_with(
+    return backend.build_with(
         ContainerRankDeployment,
-        n_receivers,
-        spec,
-        workdir,
-        engine,
-        addr=host.gateway_ip(),
+        DeployRequest(n_receivers, spec, workdir, engine),
+        {"addr": host.gateway_ip()},
         host=host,
         container_options=container_options,
     )

@@ -49,10 +49,10 @@ from harness.api import (
     BackendError,
     Capabilities,
     Deployment,
+    DeployRequest,
     ManifestMismatch,
     Sender,
     TransferError,
-    WeightSpec,
 )
 from harness.launch import RankDeployment
 from harness.manifest import Manifest
@@ -447,14 +447,8 @@ class CheckpointEngineBackend(Backend):
             "process group (init_process_group/update timeout)": self.timeout_s,
         }
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ) -> Deployment:
+    def build(self, request: DeployRequest) -> Deployment:
+        n_receivers = request.n_receivers
         if n_receivers != 1:
             raise BackendError(
                 f"{self.name} updates one inference worker per GPU (its socket is keyed by the GPU), not {n_receivers}"
@@ -467,9 +461,9 @@ class CheckpointEngineBackend(Backend):
                 f"as device 0 (CUDA_VISIBLE_DEVICES) instead"
             )
         sender = CheckpointEngineSender(
-            Path(workdir),
+            Path(request.workdir),
             self.timeout_s,
-            bucket_bytes or self.bucket_bytes,
+            request.unit(self.bucket_bytes),
             auto_pg=self.auto_pg,
             mem_fraction=self.mem_fraction,
         )
@@ -477,9 +471,9 @@ class CheckpointEngineBackend(Backend):
             sender=sender,
             receiver_path="weightsync_checkpoint_engine.backend:CheckpointEngineReceiver",
             n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
+            spec=request.spec,
+            engine=request.engine,
+            workdir=request.workdir,
             rank_init_info=lambda info, rank: info,
             timeout=self.timeout_s,
         )

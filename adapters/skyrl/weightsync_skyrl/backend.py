@@ -27,10 +27,10 @@ from harness.api import (
     Backend,
     Capabilities,
     Deployment,
+    DeployRequest,
     ManifestMismatch,
     Sender,
     TransferError,
-    WeightSpec,
 )
 from harness.launch import RankDeployment
 from harness.manifest import Manifest
@@ -188,22 +188,15 @@ class SkyrlDeltaBackend(Backend):
         self.timeout_s = timeout_s
         self.max_file_size_in_gb = max_file_size_in_gb
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ) -> Deployment:
-        sender = SkyrlDeltaSender(Path(workdir) / "skyrl", self.max_file_size_in_gb)
+    def build(self, request: DeployRequest) -> Deployment:
+        sender = SkyrlDeltaSender(Path(request.workdir) / "skyrl", self.max_file_size_in_gb)
         deployment = RankDeployment(
             sender=sender,
             receiver_path="weightsync_skyrl.backend:SkyrlDeltaReceiver",
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
+            n_receivers=request.n_receivers,
+            spec=request.spec,
+            engine=request.engine,
+            workdir=request.workdir,
             rank_init_info=lambda info, rank: {**info, "rank": rank},
             timeout=self.timeout_s,
         )

@@ -43,6 +43,7 @@ from harness.api import (
     BackendError,
     Capabilities,
     Deployment,
+    DeployRequest,
     EngineHandle,
     Receiver,
     Sender,
@@ -298,18 +299,13 @@ class VllmNcclBackend(Backend):
         self.model_dir = model_dir
         self.timeout_s = timeout_s
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,  # the engine is always vLLM's server: its side is what is certified
-        bucket_bytes: int | None = None,
-    ) -> Deployment:
-        if n_receivers != 1:
+    def build(self, request: DeployRequest) -> Deployment:
+        """`request.engine` is not used: the engine is always vLLM's server, its side is what is certified."""
+        if request.n_receivers != 1:
             raise BackendError(
-                f"{self.name} drives one vLLM engine (world_size {WORLD_SIZE}), not {n_receivers}"
+                f"{self.name} drives one vLLM engine (world_size {WORLD_SIZE}), not {request.n_receivers}"
             )
+        workdir, spec = request.workdir, request.spec
         model_dir = self.model_dir or _tiny_llama()
         runs = itertools.count()
 

@@ -27,10 +27,10 @@ from harness.api import (
     Backend,
     Capabilities,
     Deployment,
+    DeployRequest,
     ManifestMismatch,
     Sender,
     TransferError,
-    WeightSpec,
 )
 from harness.launch import RankDeployment
 from harness.manifest import Manifest
@@ -108,21 +108,14 @@ class FileBackend(Backend):
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.timeout_s = timeout_s
 
-    def deploy(
-        self,
-        n_receivers: int,
-        spec: WeightSpec | None,
-        workdir: str,
-        engine: str | None = None,
-        bucket_bytes: int | None = None,
-    ) -> Deployment:
+    def build(self, request: DeployRequest) -> Deployment:
         return RankDeployment(
-            sender=FileSender(Path(workdir) / "versions"),
+            sender=FileSender(Path(request.workdir) / "versions"),
             receiver_path="toy_sync.sync:FileReceiver",  # imported again in each rank process
-            n_receivers=n_receivers,
-            spec=spec,
-            engine=engine,
-            workdir=workdir,
+            n_receivers=request.n_receivers,
+            spec=request.spec,
+            engine=request.engine,
+            workdir=request.workdir,
             rank_init_info=lambda info, rank: info,
             timeout=self.timeout_s,
         )
