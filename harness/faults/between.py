@@ -178,6 +178,7 @@ class RankKilledIdle(BetweenSyncs):
     """A receiver rank SIGKILLed while nothing syncs (the OOM killer, a node's reboot)."""
 
     kind = "rank-killed-idle"
+    control_plane = True
     names_victim = True
 
     def applies(self, backend, caps, deployment):

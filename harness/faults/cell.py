@@ -250,6 +250,11 @@ def run_cell(
     ):
         return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s, point)
     fault = FAULTS[fault_kind]()
+    if fault.family == "trainer-process":
+        raise ValueError(
+            f"{fault_kind} kills the trainer itself: its cell is harness.faults.trainer_kill's "
+            "(harness.faults.matrix.run_matrix_cell picks the cell of any kind)"
+        )
     result = CellResult(
         backend_name, fault_kind, seed, "unknown", [], timeout_s=timeout_s, family=fault.family
     )
@@ -461,7 +466,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m harness.faults.cell", description=main.__doc__)
     p.add_argument("--backend", required=True)
-    p.add_argument("--fault", required=True, choices=sorted(FAULTS))
+    p.add_argument(
+        "--fault",
+        required=True,
+        choices=sorted(k for k, f in FAULTS.items() if f.family != "trainer-process"),
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", required=True)
     p.add_argument("--engine", default=None)

@@ -115,8 +115,13 @@ class Fault(abc.ABC):
     names_victim: bool = False
     #: the push must succeed despite the fault (a client rides out a cut connection by retrying)
     must_succeed: bool = False
-    #: "in-push": strikes while a push runs; "between-syncs": damage done while nothing syncs
+    #: "in-push": strikes while a push runs; "between-syncs": damage done while nothing syncs;
+    #: "trainer-process": the trainer itself dies, so its cell runs the trainer in a child process
+    #: (harness.faults.trainer_kill) where the others run harness.faults.cell's
     family: str = "in-push"
+    #: a fault of the control plane itself: the control column of the default selection runs these (its
+    #: data plane is disk's, whose column runs the rest)
+    control_plane: bool = False
     #: a failed push's error must carry one of these words (what was damaged); () : no such check
     must_name: tuple[str, ...] = ()
 
@@ -296,6 +301,7 @@ class ReceiverKill(_ProcessFault):
     """SIGKILL a receiver rank mid-transfer or mid-finish (a node lost, an OOM kill)."""
 
     kind = "receiver-kill"
+    control_plane = True
 
     def strike(self, ctx):
         pid = self.pid(ctx)
@@ -307,6 +313,7 @@ class ReceiverStall(_ProcessFault):
     """SIGSTOP a receiver rank past the timeout (a frozen host), SIGCONT at heal."""
 
     kind = "receiver-stall"
+    control_plane = True
     # each stall cell waits out a timeout: the points where waiting differs (a call that never answers,
     # a collective half done, a commit half done); the others are a kill's
     NAMED = ("in-start", "between-units", "during-finish")
@@ -362,6 +369,7 @@ class TrainerRaise(Fault):
     trainer's own code): the push must fail, every engine keep its last version, the next push succeed."""
 
     kind = "trainer-raise"
+    control_plane = True
 
     def points(self, caps):
         return tuple(READ_POINTS)
@@ -374,6 +382,19 @@ class TrainerRaise(Fault):
 
     def describe(self, ctx):
         return f"trainer-raise at tensor read {self.fail_at}"
+
+
+class TrainerKill(Fault):
+    """The trainer SIGKILLed mid-transfer, at a named tensor read of version 2. While the manifest is built
+    or while bytes move; a new trainer on the same working directory takes over. Its cell is
+    harness.faults.trainer_kill's: no rank outlives the trainer, nothing of it leaks, the new trainer's
+    pushes land bit for bit."""
+
+    kind = "trainer-kill"
+    family = "trainer-process"
+
+    def points(self, caps):
+        return tuple(READ_POINTS)
 
 
 class _TapFault(Fault):
@@ -473,6 +494,7 @@ class CommitFail(Fault):
     """One engine's commit fails at finish (out of memory), after the others may have committed."""
 
     kind = "commit-fail"
+    control_plane = True
 
     def applies(self, backend, caps, deployment):
         if not deployment.processes():
@@ -655,6 +677,7 @@ class HttpRequestCut(_WireFault):
     """The connection is cut (RST) part-way through a lifecycle request: the server never sees it whole."""
 
     kind = "http-request-cut"
+    control_plane = True
     mode = "cut-request"
 
 
@@ -662,6 +685,7 @@ class HttpAnswerLost(_WireFault):
     """A lifecycle request runs on the server and its answer is lost (RST): the client cannot know it ran."""
 
     kind = "http-answer-lost"
+    control_plane = True
     mode = "lose-answer"
 
 

@@ -1,5 +1,7 @@
-"""Every fault kind the matrix runs, by name: the in-push kinds (`injectors.py`) and the damage done between
-syncs (`between.py`), in one table that imports both (so neither imports the other's table)."""
+"""Every fault kind the matrix runs, by name, each a `Fault` of one shape: the in-push kinds and the
+trainer's own death (`injectors.py`) and the damage done between syncs (`between.py`), in one table that
+imports both (so neither imports the other's table). Each kind declares its points, what it applies to,
+its family (which cell runs it: harness.faults.matrix) and whether it is a fault of the control plane."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from harness.faults.injectors import (
     ReceiverKill,
     ReceiverStall,
     StorageFull,
+    TrainerKill,
     TrainerRaise,
 )
 
@@ -32,5 +35,9 @@ FAULTS: dict[str, type[Fault]] = {
         HttpRequestCut,
         HttpAnswerLost,
         *between.KINDS,
+        TrainerKill,
     )
 }
+
+#: The kinds that are faults of the control plane itself (the control column of the default selection).
+CONTROL_PLANE_KINDS: tuple[str, ...] = tuple(k for k, f in FAULTS.items() if f.control_plane)

@@ -37,11 +37,11 @@ from harness.faults.cell import (
     unbounded_declaration,
     with_timeout,
 )
-from harness.faults.injectors import READ_POINTS
+from harness.faults.injectors import READ_POINTS, TrainerKill
 from harness.paths.ipc import own_segments
 from harness.registry import engine_capabilities, resolve_backend
 
-KIND = "trainer-kill"
+KIND = TrainerKill.kind
 
 
 class KillingTensors(Mapping):
@@ -113,12 +113,6 @@ def _wait_gone(pids: list[int], deadline: float) -> list[int]:
         finally:
             os.close(fd)
     return alive
-
-
-def points() -> tuple[str, ...]:
-    """The named reads the trainer dies at (harness.faults.injectors.READ_POINTS): before anything
-    moved, halfway through the transfer, at the last read."""
-    return tuple(READ_POINTS)
 
 
 def run_trainer_kill_cell(

@@ -348,17 +348,10 @@ def between_syncs_kinds(mat: dict[str, dict[str, list[dict]]]) -> list[str]:
 
 def damage_of(kind: str) -> str:
     """The first sentence of the fault kind's own description (what it does to the deployment): its class's
-    docstring, or for trainer-kill (a cell of its own, harness.faults.trainer_kill) its module's."""
-    from harness.faults import trainer_kill
+    docstring."""
     from harness.faults.kinds import FAULTS
 
-    doc = (
-        FAULTS[kind].__doc__
-        if kind in FAULTS
-        else trainer_kill.__doc__
-        if kind == trainer_kill.KIND
-        else None
-    )
+    doc = FAULTS[kind].__doc__ if kind in FAULTS else None
     doc = doc or kind
     return " ".join(doc.split()).split(". ")[0].split(": ")[0].rstrip(".").replace("|", "/")
 

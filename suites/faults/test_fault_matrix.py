@@ -24,12 +24,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from harness.faults.cell import run_cell
 from harness.faults.injectors import SEEDED
-from harness.faults.kinds import FAULTS
-from harness.faults.trainer_kill import KIND as TRAINER_KILL
-from harness.faults.trainer_kill import points as trainer_kill_points
-from harness.faults.trainer_kill import run_trainer_kill_cell
+from harness.faults.kinds import CONTROL_PLANE_KINDS, FAULTS
+from harness.faults.matrix import run_matrix_cell
 from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN, outcomes_of, selection_of
 from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
 
@@ -41,20 +38,6 @@ THOROUGH_DRAWS = 10
 
 def _thorough() -> bool:
     return settings.get_current_profile_name() == "weightsync-thorough"
-
-
-#: The control column in the default selection: the faults of the control plane itself. Its data plane
-#: is the disk path's, whose column runs the data-plane faults; `--weightsync-backend=control` (and
-#: `weightsync certify`) runs every kind against it.
-CONTROL_PLANE_KINDS = (
-    "receiver-kill",
-    "receiver-stall",
-    "commit-fail",
-    "http-request-cut",
-    "http-answer-lost",
-    "trainer-raise",
-    "rank-killed-idle",
-)
 
 
 def _backends(config) -> list[str]:
@@ -69,13 +52,14 @@ def _kinds(config, backend: str) -> list[str]:
     implicit = (
         config.getoption("--weightsync-backend") == ",".join(BUILTIN_BACKENDS) and backend in EXTRA_BACKENDS
     )
-    return [k for k in [*FAULTS, TRAINER_KILL] if not implicit or k in CONTROL_PLANE_KINDS]
+    # the control column in the default selection runs the faults of the control plane itself (Fault.control_plane):
+    # its data plane is the disk path's, whose column runs the rest; `--weightsync-backend=control` (and
+    # `weightsync certify`) runs every kind against it
+    return [k for k in FAULTS if not implicit or k in CONTROL_PLANE_KINDS]
 
 
 def _points(config, backend: str, kind: str) -> tuple[str, ...]:
     """The fault's named points for this backend's claimed capabilities (harness.faults.injectors)."""
-    if kind == TRAINER_KILL:
-        return _chosen(config, trainer_kill_points())
     sel = selection_of(config)
     caps = (
         sel.capabilities(backend)
@@ -170,20 +154,10 @@ def config_draws(config) -> int:
 def _run_and_judge(backend_name, kind, seed, selection, tmp_path, request, point=SEEDED):
     backend = selection.backends.get(backend_name) or resolve_backend(backend_name)
     timeout_s = request.config.getoption("--weightsync-fault-timeout")
-    if kind == TRAINER_KILL:  # the trainer itself dies: it runs in a child process
-        result = run_trainer_kill_cell(backend_name, seed, tmp_path, selection.engine, timeout_s, point)
-    else:
-        result = run_cell(
-            backend,
-            backend_name,
-            kind,
-            seed,
-            tmp_path,
-            engine=selection.engine,
-            timeout_s=timeout_s,
-            caps=backend.capabilities.restricted_by(selection.engine_caps),
-            point=point,
-        )
+    caps = backend.capabilities.restricted_by(selection.engine_caps)
+    result = run_matrix_cell(
+        backend, backend_name, kind, seed, tmp_path, selection.engine, timeout_s, caps, point
+    )
     outcome = outcomes_of(request.config).setdefault(request.node.nodeid, {})
     if (
         outcome.get("fault_cell", {}).get("verdict", "ok") == "ok"
