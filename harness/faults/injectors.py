@@ -396,6 +396,9 @@ class TrainerKill(Fault):
     def points(self, caps):
         return tuple(READ_POINTS)
 
+    def arm(self, ctx, tensors):
+        raise TypeError(f"{self.kind} arms nothing in a push: its cell kills the trainer process itself")
+
 
 class _TapFault(Fault):
     """A fault on the data plane through the sender's interposer (`Sender.tap`)."""

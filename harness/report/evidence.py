@@ -406,11 +406,14 @@ def reshard_plans(results: dict[str, dict]) -> list[tuple[str, str, dict]]:
 
 
 def reshard_heading(plan: dict) -> str:
-    """One line: which ranks, dtype, model, how many transfers."""
+    """One line: which ranks (and replicas), dtype, model, how many transfers, the data plane and why."""
     model = ", ".join(f"{k}={v}" for k, v in plan.get("model", {}).items())
+    replicas = plan.get("replicas", 1)
+    plane = f"; data plane: {plan['data_plane']} ({plan['data_plane_why']})" if plan.get("data_plane") else ""
     return (
-        f"{plan['trainers']} trainer rank(s) -> {plan['engines']} engine rank(s), {plan['dtype']}, "
-        f"{len(plan['transfers'])} transfers; model: {model}"
+        f"{plan['trainers']} trainer rank(s) -> {plan['engines']} engine rank(s)"
+        + (f" x {replicas} replicas" if replicas > 1 else "")
+        + f", {plan['dtype']}, {len(plan['transfers'])} transfers; model: {model}{plane}"
     )
 
 

@@ -171,9 +171,9 @@ class ReshardPlan:
     def itemsize(self) -> int:
         return torch.empty((), dtype=DTYPES[self.trainer.dtype]).element_size()
 
-    def world_rank(self, role: str, rank: int) -> int:
-        """Trainer ranks come first in the world, engine ranks after them."""
-        return rank if role == "trainer" else self.n_trainers + rank
+    def world_rank(self, role: str, rank: int, replica: int = 0) -> int:
+        """Trainer ranks come first in the world, then each engine replica's ranks, replica by replica."""
+        return rank if role == "trainer" else self.n_trainers + replica * self.n_engines + rank
 
     def sends_of(self, trainer_rank: int) -> list[tuple[int, Transfer]]:
         return [(i, t) for i, t in enumerate(self.transfers) if t.src == trainer_rank]
@@ -254,9 +254,16 @@ class ReshardPlan:
         lines.append(f"{'total':<10} {total:>11} {minimum['total']:>11}{got}")
         return "\n".join(lines)
 
-    def report_record(self, measured: dict[str, int] | None = None) -> dict:
+    def report_record(
+        self,
+        measured: dict[str, int] | None = None,
+        replicas: int = 1,
+        data_plane: tuple[str, str] | None = None,
+    ) -> dict:
         """The plan as results.json carries it for report.md / report.html (`reshard_plan` in a test's
-        record): one row per transfer, the tied names, and bytes per rank (planned, minimum, measured)."""
+        record): one row per transfer, the tied names, bytes per rank (planned, minimum, measured), and,
+        given, the engine replicas and the data plane that moved the bytes with why it was chosen
+        (harness.reshard.sync.choose_data_plane)."""
         planned, minimum = self.bytes_per_rank(), self.minimum_bytes()
         got = measured or {}
         ranks = [
@@ -266,7 +273,10 @@ class ReshardPlan:
         received = sum(v for k, v in got.items() if k.startswith("engine")) if measured else None
         total = sum(t.nbytes for t in self.transfers)
         ranks.append({"rank": "total", "planned": total, "minimum": minimum["total"], "measured": received})
+        plane = {"data_plane": data_plane[0], "data_plane_why": data_plane[1]} if data_plane else {}
         return {
+            **plane,
+            "replicas": replicas,
             "trainers": self.n_trainers,
             "engines": self.n_engines,
             "dtype": self.trainer.dtype,

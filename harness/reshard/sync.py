@@ -1,7 +1,10 @@
-"""A resharded sync: the plan executed over torch.distributed, point to point from the trainer rank
-that owns each byte range to the engine rank that needs it. No rank ever holds more than its own shard
-(the sender packs a row-parallel column band, nothing else); every message travels as raw bytes
-(uint8), so any dtype is carried bit for bit and counted exactly.
+"""A resharded sync: the plan executed over torch.distributed, from the trainer rank that owns each byte
+range to the engine rank that needs it, on every engine replica (R replicas of M ranks hold the same
+shards). Two data planes: point to point (each transfer sent to each replica's copy of its engine rank)
+and broadcast per engine rank group (each transfer one broadcast from its trainer rank to the copies of
+its engine rank on every replica); `choose_data_plane` picks one and says why. No rank ever holds more
+than its own shard (the sender packs a row-parallel column band, nothing else); every message travels as
+raw bytes (uint8), so any dtype is carried bit for bit and counted exactly.
 
 A failed message raises TransferError naming both ranks and the transfer (the process group's timeout
 bounds a peer that never answers)."""
@@ -20,6 +23,32 @@ from harness.reshard.plan import ReshardPlan, Transfer
 
 #: Bytes an engine shard holds before a sync fills it: a transfer that never lands shows as 0xA5 bytes
 POISON = 0xA5
+
+P2P, BROADCAST = "p2p", "broadcast"
+DATA_PLANES = (P2P, BROADCAST)
+
+
+def choose_data_plane(replicas: int) -> tuple[str, str]:
+    """The data plane for `replicas` engine replicas, and why (the report prints both). The bytes a
+    trainer rank hands the library per transfer: point to point, one send per replica; broadcast, one call
+    for all of them (the library then carries them: NCCL along a ring or tree, gloo a binomial tree)."""
+    if replicas > 1:
+        return BROADCAST, (
+            f"{replicas} replicas hold the same shards: one broadcast per transfer to the {replicas} copies of "
+            f"its engine rank, where point to point would send it {replicas} times"
+        )
+    return P2P, "one replica: a broadcast to one engine rank is a send, and its group one rendezvous more"
+
+
+def rank_groups(n_trainers: int, n_engines: int, replicas: int) -> list[tuple[int, int, list[int]]]:
+    """[(trainer rank, engine rank, world ranks of its group)]: for every (trainer rank, engine rank) pair,
+    the trainer rank and that engine rank on every replica (world ranks: trainers first, then each replica's
+    engine ranks), in the order every rank of the world must create them."""
+    return [
+        (s, d, [s] + [n_trainers + q * n_engines + d for q in range(replicas)])
+        for s in range(n_trainers)
+        for d in range(n_engines)
+    ]
 
 
 class EngineShards:
@@ -87,23 +116,44 @@ def send_shards(
     local: Mapping[str, torch.Tensor],
     batched: bool = True,
     before_send: Callable[[int], None] | None = None,
+    replicas: int = 1,
 ) -> int:
-    """Send every transfer trainer `rank` owns; returns the bytes sent. `batched`: every send posted at
-    once, then waited for in plan order; else one after another, `before_send(k)` called before the k-th
-    (k = 0, 1, ...)."""
+    """Send every transfer trainer `rank` owns to each of `replicas` replicas (point to point); returns the
+    bytes sent. `batched`: every send posted at once, then waited for in plan order; else one after
+    another, `before_send(k)` called before the k-th (k = 0, 1, ...)."""
     check_local_shards(plan, rank, local)
-    todo = plan.sends_of(rank)
+    todo = [(i, t, q) for i, t in plan.sends_of(rank) for q in range(replicas)]
     sent = 0
     if batched:
-        works = [_post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan) for i, t in todo]
-        for (i, t), w in zip(todo, works):
+        works = [
+            _post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan, q) for i, t, q in todo
+        ]
+        for (i, t, _), w in zip(todo, works):
             _wait(w, t, i, "trainer", rank)
             sent += t.nbytes
         return sent
-    for k, (i, t) in enumerate(todo):
+    for k, (i, t, q) in enumerate(todo):
         if before_send is not None:
             before_send(k)
-        _wait(_post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan), t, i, "trainer", rank)
+        _wait(
+            _post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan, q), t, i, "trainer", rank
+        )
+        sent += t.nbytes
+    return sent
+
+
+def broadcast_shards(
+    plan: ReshardPlan, rank: int, local: Mapping[str, torch.Tensor], groups: Mapping[tuple[int, int], object]
+) -> int:
+    """Trainer `rank`'s transfers, each one broadcast to the copies of its engine rank on every replica
+    (`groups[(rank, engine rank)]`, made from `rank_groups`): posted at once, waited for in plan order.
+    Returns the bytes this rank put in (each transfer once, whatever the number of replicas)."""
+    check_local_shards(plan, rank, local)
+    todo = plan.sends_of(rank)
+    works = [_post_broadcast(_source_bytes(t, local), t, i, "trainer", rank, plan, groups) for i, t in todo]
+    sent = 0
+    for (i, t), w in zip(todo, works):
+        _wait(w, t, i, "trainer", rank)
         sent += t.nbytes
     return sent
 
@@ -115,6 +165,24 @@ def receive_shards(
     then waited for in plan order); returns the bytes received. `after_receive(k)` is called once k
     transfers have landed (k = 1, 2, ...)."""
     todo = plan.receives_of(rank)
+    views = _landing_views(rank, shards, todo)
+    works = [_post(dist.irecv, view, t, i, "engine", rank, plan) for (i, t), view in zip(todo, views)]
+    return _landed(todo, works, rank, after_receive)
+
+
+def receive_broadcast_shards(
+    plan: ReshardPlan, rank: int, shards: EngineShards, groups: Mapping[tuple[int, int], object]
+) -> int:
+    """The broadcast side of engine `rank` (of any replica): every transfer it needs, received straight
+    into its shards from its trainer rank's broadcast to `groups[(trainer rank, rank)]`."""
+    todo = plan.receives_of(rank)
+    views = _landing_views(rank, shards, todo)
+    works = [_post_broadcast(view, t, i, "engine", rank, plan, groups) for (i, t), view in zip(todo, views)]
+    return _landed(todo, works, rank, None)
+
+
+def _landing_views(rank: int, shards: EngineShards, todo: list[tuple[int, Transfer]]) -> list[torch.Tensor]:
+    """The bytes of engine `rank`'s shards each transfer lands in (refused if they are not its size)."""
     views = []
     for i, t in todo:
         view = _bytes(shards.tensors[t.dest][t.dst_rows[0] : t.dst_rows[1]])
@@ -124,7 +192,11 @@ def receive_shards(
                 f"{view.numel()} B: {t.describe()}"
             )
         views.append(view)
-    works = [_post(dist.irecv, view, t, i, "engine", rank, plan) for (i, t), view in zip(todo, views)]
+    return views
+
+
+def _landed(todo, works, rank: int, after_receive: Callable[[int], None] | None) -> int:
+    """Wait for each posted receive in plan order; the bytes received."""
     got = 0
     for k, ((i, t), w) in enumerate(zip(todo, works), 1):
         _wait(w, t, i, "engine", rank)
@@ -134,13 +206,28 @@ def receive_shards(
     return got
 
 
-def _post(op, buf: torch.Tensor, t: Transfer, i: int, role: str, rank: int, plan: ReshardPlan):
-    """Post one isend / irecv, tagged with the transfer's index. Posted one by one rather than through
-    dist.batch_isend_irecv (on gloo a loop over the same calls), so a post that gloo refuses because the
-    peer is already gone names that peer."""
-    peer = plan.world_rank("engine", t.dst) if role == "trainer" else plan.world_rank("trainer", t.src)
+def _post(
+    op, buf: torch.Tensor, t: Transfer, i: int, role: str, rank: int, plan: ReshardPlan, replica: int = 0
+):
+    """Post one isend / irecv, tagged with the transfer's index (a trainer's send to `replica`'s copy of
+    the engine rank). Posted one by one rather than through dist.batch_isend_irecv (on gloo a loop over
+    the same calls), so a post that gloo refuses because the peer is already gone names that peer."""
+    peer = (
+        plan.world_rank("engine", t.dst, replica) if role == "trainer" else plan.world_rank("trainer", t.src)
+    )
     try:
         return op(buf, peer, tag=i)
+    except Exception as exc:  # gloo raises RuntimeError / DistBackendError: named and re-raised
+        raise _transfer_error(exc, t, i, role, rank, 0.0) from exc
+
+
+def _post_broadcast(buf: torch.Tensor, t: Transfer, i: int, role: str, rank: int, plan: ReshardPlan, groups):
+    """Post transfer `t`'s broadcast from its trainer rank to its engine rank group (the same call on
+    every member, in plan order, so each group's collectives match)."""
+    try:
+        return dist.broadcast(
+            buf, src=plan.world_rank("trainer", t.src), group=groups[(t.src, t.dst)], async_op=True
+        )
     except Exception as exc:  # gloo raises RuntimeError / DistBackendError: named and re-raised
         raise _transfer_error(exc, t, i, role, rank, 0.0) from exc
 

@@ -1,5 +1,6 @@
-"""N trainer ranks and M engine ranks in one gloo world, spawned once and sent jobs: each job builds
-both layouts and the plan once, then syncs `steps` versions with it and judges every engine shard
+"""N trainer ranks and R engine replicas of M ranks each in one gloo world, spawned once and sent jobs:
+each job builds both layouts and the plan once, then syncs `steps` versions with it over the job's data
+plane (point to point, or broadcast per engine rank group) and judges every engine shard of every replica
 against the oracle. Starting a world costs seconds (N + M interpreters importing torch); a job on a
 tiny model costs a fraction of one, so a property test sends many jobs to one world.
 
@@ -29,7 +30,17 @@ from harness.procs import describe_exit
 from harness.reshard.layout import ModelShape, engine_layout, full_weights, trainer_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import ReshardPlan, build_plan
-from harness.reshard.sync import EngineShards, receive_shards, send_shards
+from harness.reshard.sync import (
+    BROADCAST,
+    DATA_PLANES,
+    EngineShards,
+    broadcast_shards,
+    choose_data_plane,
+    rank_groups,
+    receive_broadcast_shards,
+    receive_shards,
+    send_shards,
+)
 from harness.reshard.trainer_shards import DTENSOR, FSDP2, trainer_shards
 
 
@@ -41,10 +52,14 @@ def job(
     steps: int = 2,
     plan: ReshardPlan | None = None,
     kill: tuple[str, int, int] | None = None,
+    plane: str = "auto",
 ) -> dict:
     """A job for ReshardWorld.run: `plan` replaces the one the ranks would build (the meta tests' broken
     plans); `kill` = ("trainer", r, i): trainer rank r SIGKILLs itself before its i-th send of the first
-    step; ("engine", r, i): engine rank r once it has received i transfers."""
+    step; ("engine", r, i): engine rank r (counted across replicas) once it has received i transfers
+    (point to point). `plane`: "p2p", "broadcast", or "auto" (choose_data_plane for the world's replicas)."""
+    if plane != "auto" and plane not in DATA_PLANES:
+        raise ValueError(f"data plane {plane!r}: one of {DATA_PLANES} or 'auto'")
     return {
         "model": dataclasses.asdict(model),
         "api": api,
@@ -53,6 +68,7 @@ def job(
         "steps": steps,
         "plan": plan.to_json() if plan is not None else None,
         "kill": kill,
+        "plane": plane,
     }
 
 
@@ -76,9 +92,18 @@ class WorldRun:
     dead: dict[int, str]
     silent: list[int]
     seconds: float
+    replicas: int = 1
 
     def name(self, world_rank: int) -> str:
-        return f"trainer rank {world_rank}" if world_rank < self.n else f"engine rank {world_rank - self.n}"
+        if world_rank < self.n:
+            return f"trainer rank {world_rank}"
+        replica, rank = divmod(world_rank - self.n, self.m)
+        return f"engine rank {rank}" + (f" of replica {replica}" if self.replicas > 1 else "")
+
+    @property
+    def plane(self) -> str | None:
+        """The data plane the job ran on (what the ranks reported)."""
+        return next((rep["plane"] for rep in self.reports.values() if rep.get("plane")), None)
 
     @property
     def ok(self) -> bool:
@@ -94,7 +119,8 @@ class WorldRun:
         return out
 
     def measured_bytes(self, step: int = 0) -> dict[str, int]:
-        """{"trainer i" / "engine j": bytes the rank sent / received in step `step`}"""
+        """{"trainer i" / "engine j" (with replicas: "engine j of replica q"): bytes the rank sent /
+        received in step `step`}"""
         return {
             self.name(r).replace(" rank", ""): rep["steps"][step]["bytes"]
             for r, rep in sorted(self.reports.items())
@@ -102,7 +128,8 @@ class WorldRun:
         }
 
     def summary(self) -> str:
-        lines = [f"{self.n} trainer -> {self.m} engine ranks, {self.seconds:.2f}s"]
+        replicas = f" x {self.replicas} replicas" if self.replicas > 1 else ""
+        lines = [f"{self.n} trainer -> {self.m} engine ranks{replicas} ({self.plane}), {self.seconds:.2f}s"]
         lines += [f"  {self.name(r)} died: {how}" for r, how in self.dead.items()]
         lines += [f"  {self.name(r)} gave no answer" for r in self.silent]
         probs = self.problems()
@@ -112,13 +139,22 @@ class WorldRun:
         return "\n".join(lines)
 
 
-def _rank_main(rank: int, n: int, m: int, port: int, prefix: str, jobs, reports, timeout_s: float) -> None:
+def _rank_main(
+    rank: int, n: int, m: int, replicas: int, port: int, prefix: str, jobs, reports, timeout_s: float
+) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, n + m, is_master=False, timeout=timeout)
+    size = n + replicas * m
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     dist.init_process_group(
-        "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=n + m, timeout=timeout
+        "gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=size, timeout=timeout
     )
+    # the broadcast plane's groups, made by every rank in the same order before any other group (a group
+    # is named by how many the rank made before it, and the trainer ranks' mesh below is one the engine
+    # ranks do not make)
+    groups = {
+        (s, d): dist.new_group(members) for s, d, members in rank_groups(n, m, replicas) if replicas > 1
+    }
     mesh = None
     if rank < n:
         from torch.distributed.device_mesh import DeviceMesh
@@ -130,7 +166,7 @@ def _rank_main(rank: int, n: int, m: int, port: int, prefix: str, jobs, reports,
         if task is None:
             break
         try:
-            reports.put({"rank": rank, **_run_job(task, rank, n, m, mesh)})
+            reports.put({"rank": rank, **_run_job(task, rank, n, m, replicas, mesh, groups)})
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which judges the run
             reports.put(
                 {
@@ -142,32 +178,47 @@ def _rank_main(rank: int, n: int, m: int, port: int, prefix: str, jobs, reports,
     os._exit(0)  # every report was taken already; tearing down gloo and torch costs seconds per rank
 
 
-def _run_job(task: dict, rank: int, n: int, m: int, mesh) -> dict:
+def _run_job(task: dict, rank: int, n: int, m: int, replicas: int, mesh, groups: dict) -> dict:
     model = ModelShape(**task["model"])
     plan = plan_of(task, n, m)
+    plane = task.get("plane", "auto")
+    plane = choose_data_plane(replicas)[0] if plane == "auto" else plane
+    if plane == BROADCAST and not groups:
+        raise ValueError(
+            "the broadcast plane needs a world of 2 replicas or more (its groups are made at start)"
+        )
     steps = []
-    shards = EngineShards(plan, rank - n) if rank >= n else None
+    engine_rank = (rank - n) % m if rank >= n else None  # the same rank on every replica
+    shards = EngineShards(plan, engine_rank) if rank >= n else None
     layout = plan.trainer
     for step in range(task["steps"]):
         full = full_weights(model, task["dtype"], task["seed"] + step)
         t0 = time.perf_counter()
         if rank < n:
             local = trainer_shards(task["api"], model, layout, full, mesh)
-            hook = _killer(task, "trainer", rank, step)
-            moved = send_shards(plan, rank, local, batched=hook is None, before_send=hook)
+            if plane == BROADCAST:
+                moved = broadcast_shards(plan, rank, local, groups)
+            else:
+                hook = _killer(task, "trainer", rank, step)
+                moved = send_shards(
+                    plan, rank, local, batched=hook is None, before_send=hook, replicas=replicas
+                )
             problems = []
         else:
             shards.poison()
-            moved = receive_shards(
-                plan, rank - n, shards, after_receive=_killer(task, "engine", rank - n, step)
-            )
-            expected = expected_engine_shards(full, plan.engine, rank - n)
+            if plane == BROADCAST:
+                moved = receive_broadcast_shards(plan, engine_rank, shards, groups)
+            else:
+                moved = receive_shards(
+                    plan, engine_rank, shards, after_receive=_killer(task, "engine", rank - n, step)
+                )
+            expected = expected_engine_shards(full, plan.engine, engine_rank)
             problems = bitwise_mismatches(expected, shards.tensors)
             for live, to in plan.tied().items():
                 if shards.tensors[live].data_ptr() != shards.tensors[to].data_ptr():
                     problems.append(f"{live}: not the storage of {to} it is tied to")
         steps.append({"bytes": moved, "seconds": time.perf_counter() - t0, "problems": problems})
-    return {"steps": steps}
+    return {"steps": steps, "plane": plane}
 
 
 def _killer(task: dict, role: str, rank: int, step: int):
@@ -184,23 +235,29 @@ def _killer(task: dict, role: str, rank: int, step: int):
 
 
 class ReshardWorld:
-    """N trainer + M engine rank processes in one gloo world (timeout_s: the process group's timeout,
-    which bounds any wait on a peer that is gone)."""
+    """N trainer + R x M engine rank processes (R replicas of an M-rank engine) in one gloo world
+    (timeout_s: the process group's timeout, which bounds any wait on a peer that is gone)."""
 
     def __init__(
-        self, n_trainers: int, n_engines: int, timeout_s: float = 20.0, start_within_s: float = 120.0
+        self,
+        n_trainers: int,
+        n_engines: int,
+        timeout_s: float = 20.0,
+        start_within_s: float = 120.0,
+        replicas: int = 1,
     ):
-        self.n, self.m, self.timeout_s = n_trainers, n_engines, timeout_s
+        self.n, self.m, self.timeout_s, self.replicas = n_trainers, n_engines, timeout_s, replicas
+        size = self.n + replicas * self.m
         self.broken = False
         ctx = mp.get_context("spawn")
         self._reports = ctx.Queue()
-        self._jobs = [ctx.Queue() for _ in range(self.n + self.m)]
+        self._jobs = [ctx.Queue() for _ in range(size)]
         # the parent hosts the store on a port the kernel picks and holds it for the world's life (a port
         # picked free and then released can be taken by another run's world on a shared machine)
         self._store = dist.TCPStore(
             "127.0.0.1",
             0,
-            self.n + self.m,
+            size,
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=start_within_s),
@@ -209,11 +266,11 @@ class ReshardWorld:
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, self.n, self.m, port, prefix, self._jobs[r], self._reports, timeout_s),
+                args=(r, self.n, self.m, replicas, port, prefix, self._jobs[r], self._reports, timeout_s),
                 daemon=True,
                 name=f"reshard-rank-{r}",
             )
-            for r in range(self.n + self.m)
+            for r in range(size)
         ]
         for p in self.procs:
             p.start()
@@ -223,7 +280,7 @@ class ReshardWorld:
             if time.monotonic() > deadline or any(p.exitcode is not None for p in self.procs):
                 self.close()
                 raise RuntimeError(
-                    f"reshard world {self.n}+{self.m}: ranks {sorted(set(range(len(self.procs))) - ready)} "
+                    f"reshard world {self.n}+{replicas}x{self.m}: ranks {sorted(set(range(len(self.procs))) - ready)} "
                     f"not up within {start_within_s:g}s; exits {[describe_exit(p.exitcode) for p in self.procs]}"
                 )
             try:
@@ -254,7 +311,7 @@ class ReshardWorld:
             except queue.Empty:
                 pass
         silent = [r for r in range(len(self.procs)) if r not in reports and r not in dead]
-        run = WorldRun(self.n, self.m, reports, dead, silent, time.monotonic() - t0)
+        run = WorldRun(self.n, self.m, reports, dead, silent, time.monotonic() - t0, self.replicas)
         if dead or silent or any(rep.get("error") for rep in reports.values()):
             self.broken = True  # a gloo group that lost a peer or a message is not reused
         return run

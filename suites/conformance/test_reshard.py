@@ -42,7 +42,7 @@ from harness.pytest_plugin import outcomes_of
 from harness.reshard.layout import QKV, ModelShape, engine_layout, full_weights, trainer_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import ReshardPlan
-from harness.reshard.sync import chunk_locals, simulate
+from harness.reshard.sync import BROADCAST, DATA_PLANES, P2P, choose_data_plane, chunk_locals, simulate
 from harness.reshard.world import ReshardWorld, job
 
 PLANNER_ENV = "WEIGHTSYNC_RESHARD_PLANNER"
@@ -387,6 +387,69 @@ def test_sync_moves_the_plans_minimum_bytes_per_rank(reshard_worlds, request):
     assert sent == minimum["total"], (
         f"trainers sent {sent} B, the minimum is {minimum['total']} B\n{plan.bytes_table(measured)}"
     )
+
+
+# ------------------------------------------------------------------ engine replicas: the two data planes
+REPLICAS = 2
+
+
+def test_several_replicas_take_the_broadcast_plane_and_the_choice_says_why():
+    assert choose_data_plane(1)[0] == P2P, choose_data_plane(1)
+    plane, why = choose_data_plane(REPLICAS)
+    assert plane == BROADCAST and f"{REPLICAS} replicas" in why, (plane, why)
+
+
+@pytest.fixture(scope="module")
+def replica_world():
+    """3 trainer ranks and 2 replicas of a 2-rank engine (7 processes), shared by both data planes' tests
+    (a broken one is replaced)."""
+    worlds: list[ReshardWorld] = []
+
+    def get() -> ReshardWorld:
+        if not worlds or worlds[-1].broken:
+            if worlds:
+                worlds.pop().close()
+            worlds.append(ReshardWorld(3, 2, replicas=REPLICAS))
+        return worlds[-1]
+
+    yield get
+    for w in worlds:
+        w.close()
+
+
+@pytest.mark.multiproc
+@pytest.mark.not_quick
+@pytest.mark.parametrize("plane", DATA_PLANES)
+def test_every_replica_gets_every_shard_bit_for_bit_on_either_data_plane(replica_world, plane, request):
+    """Each replica's every engine shard is the oracle's, bit for bit, two versions running, whichever data
+    plane moved it; each engine rank of each replica receives exactly its minimum; the trainer ranks hand
+    the library the plan's bytes once per replica point to point, once in all by broadcast."""
+    model = ModelShape(vocab=70, hidden=10, heads=2, kv_heads=1, head_dim=4, intermediate=6, qkv_bias=True)
+    plan = plan_for(model, 3, 2, "bfloat16")
+    run = replica_world().run(job(model, "fsdp2", "bfloat16", steps=2, plan=plan, plane=plane))
+    assert run.ok and run.plane == plane, (
+        f"{plane}: the resharded sync to {REPLICAS} replicas failed (plane run: {run.plane}):\n"
+        f"{run.summary()}\nrerun: {RERUN} -k 'replica and {plane}'"
+    )
+    minimum = plan.minimum_bytes()
+    copies = REPLICAS if plane == P2P else 1
+    for step in (0, 1):
+        measured = run.measured_bytes(step)
+        wrong = {
+            f"engine {e} of replica {q}": (measured.get(f"engine {e} of replica {q}"), minimum[f"engine {e}"])
+            for q in range(REPLICAS)
+            for e in range(2)
+        }
+        wrong = {k: v for k, v in wrong.items() if v[0] != v[1]}
+        sent = sum(measured[f"trainer {t}"] for t in range(3))
+        assert not wrong and sent == copies * minimum["total"], (
+            f"{plane} step {step}: engine ranks received (measured, minimum) bytes {wrong}; the trainers "
+            f"handed over {sent} B where {copies} x {minimum['total']} B was the plan"
+        )
+    if plane == BROADCAST:  # the report shows the plan with its data plane and why
+        outcomes_of(request.config).setdefault(request.node.nodeid, {})["reshard_plan"] = plan.report_record(
+            None, REPLICAS, choose_data_plane(REPLICAS)
+        )
 
 
 # (side, rank of that side): the rank killed, and which ranks of the other side must name it
