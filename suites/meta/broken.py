@@ -30,6 +30,19 @@ from harness.paths.ipc import TOKEN_BYTES, IpcReceiver, IpcSender
 from harness.paths.staging_pool import StagingPool
 
 
+class SwapsSenderClass:
+    """Mixin for a broken backend: deploys as its real backend, then swaps the sender's class for
+    `broken_sender` (a subclass of the real one), so the sender keeps its state and only the defect
+    under test differs."""
+
+    broken_sender: type
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        dep.sender.__class__ = self.broken_sender
+        return dep
+
+
 class SignLosingSender(DiskSender):
     """Adds +0.0 to float tensors before writing: -0.0 becomes 0.0 (and the manifest agrees)."""
 
@@ -61,13 +74,9 @@ class LeakySender(DiskSender):
         return super().prepare(version, named_tensors)
 
 
-class LeakyBackend(DiskBackend):
+class LeakyBackend(SwapsSenderClass, DiskBackend):
     name = "broken-leaky"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = LeakySender  # same state, leaky behaviour
-        return dep
+    broken_sender = LeakySender
 
 
 class StaleCacheEngine(ReferenceEngine):
@@ -310,15 +319,12 @@ class _ValueDiffDeltaSender(DeltaSender):
             delta_codec.changed_indices = real
 
 
-class ValueDiffDeltaBackend(DeltaBackend):
+class ValueDiffDeltaBackend(SwapsSenderClass, DeltaBackend):
+    broken_sender = _ValueDiffDeltaSender
+
     def __init__(self):
         super().__init__("broadcast")
         self.name = "broken-value-diff-delta"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _ValueDiffDeltaSender
-        return dep
 
 
 def make_value_diff_delta_backend():
@@ -364,13 +370,9 @@ class _TailLosingIpcSender(IpcSender):
         return info
 
 
-class TailLosingIpcBackend(IpcBackend):
+class TailLosingIpcBackend(SwapsSenderClass, IpcBackend):
     name = "broken-tail-losing-ipc"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _TailLosingIpcSender
-        return dep
+    broken_sender = _TailLosingIpcSender
 
 
 def make_tail_losing_ipc_backend():
@@ -411,15 +413,12 @@ class _BaseKeepingDeltaSender(DeltaSender):
         pass  # the defect under test
 
 
-class BaseKeepingDeltaBackend(DeltaBackend):
+class BaseKeepingDeltaBackend(SwapsSenderClass, DeltaBackend):
+    broken_sender = _BaseKeepingDeltaSender
+
     def __init__(self):
         super().__init__("broadcast")
         self.name = "broken-base-keeping-delta"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _BaseKeepingDeltaSender
-        return dep
 
 
 def make_base_keeping_delta_backend():
@@ -524,13 +523,9 @@ class _PublishFirstSender(DiskSender):
             disk_path.write_checkpoint = real
 
 
-class PublishFirstDiskBackend(DiskBackend):
+class PublishFirstDiskBackend(SwapsSenderClass, DiskBackend):
     name = "broken-publish-first"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _PublishFirstSender
-        return dep
+    broken_sender = _PublishFirstSender
 
 
 def make_publish_first_disk_backend():
@@ -550,13 +545,9 @@ class _DescriptorKeyedIpcSender(IpcSender):
             ipc_path._damage = real
 
 
-class DescriptorKeyedIpcBackend(IpcBackend):
+class DescriptorKeyedIpcBackend(SwapsSenderClass, IpcBackend):
     name = "broken-descriptor-keyed-ipc"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _DescriptorKeyedIpcSender
-        return dep
+    broken_sender = _DescriptorKeyedIpcSender
 
 
 def make_descriptor_keyed_ipc_backend():
@@ -573,13 +564,9 @@ class _LastCheckpointTrustingSender(DiskSender):
         return super().prepare(version, named_tensors)
 
 
-class LastCheckpointTrustingDiskBackend(DiskBackend):
+class LastCheckpointTrustingDiskBackend(SwapsSenderClass, DiskBackend):
     name = "broken-last-checkpoint-trusting"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _LastCheckpointTrustingSender
-        return dep
+    broken_sender = _LastCheckpointTrustingSender
 
 
 def make_last_checkpoint_trusting_disk_backend():
