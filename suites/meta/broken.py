@@ -3,6 +3,7 @@ If one of these ever passes, a check has gone soft."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -28,6 +29,18 @@ from harness.paths.delta import DeltaSender
 from harness.paths.disk import DiskSender
 from harness.paths.ipc import TOKEN_BYTES, IpcReceiver, IpcSender
 from harness.paths.staging_pool import StagingPool
+
+
+@contextlib.contextmanager
+def patched(owner, attr: str, value):
+    """`owner.attr` is `value` inside the block and what it was again after it, however the block ends:
+    a real module's function swapped for its broken version for one call of the sender."""
+    real = getattr(owner, attr)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, real)
 
 
 class SwapsSenderClass:
@@ -305,18 +318,16 @@ def make_no_retry_control_backend():
 
 
 # ------------------------------------------------------------------------------------------ delta
+def _value_diff_changed_indices(old, new):
+    return (old != new).nonzero().reshape(-1)  # the defect under test
+
+
 class _ValueDiffDeltaSender(DeltaSender):
     """Finds what changed by comparing values, not bits: -0.0 == +0.0, so a sign flip is never sent."""
 
     def prepare(self, version, named_tensors):
-        real = delta_codec.changed_indices
-        delta_codec.changed_indices = lambda old, new: (
-            (old != new).nonzero().reshape(-1)
-        )  # the defect under test
-        try:
+        with patched(delta_codec, "changed_indices", _value_diff_changed_indices):
             return super().prepare(version, named_tensors)
-        finally:
-            delta_codec.changed_indices = real
 
 
 class ValueDiffDeltaBackend(SwapsSenderClass, DeltaBackend):
@@ -516,11 +527,8 @@ def _publish_first_write_checkpoint(root, manifest, named_tensors, attempt=0, ta
 
 class _PublishFirstSender(DiskSender):
     def prepare(self, version, named_tensors):
-        real, disk_path.write_checkpoint = disk_path.write_checkpoint, _publish_first_write_checkpoint
-        try:
+        with patched(disk_path, "write_checkpoint", _publish_first_write_checkpoint):
             return super().prepare(version, named_tensors)
-        finally:
-            disk_path.write_checkpoint = real
 
 
 class PublishFirstDiskBackend(SwapsSenderClass, DiskBackend):
@@ -538,11 +546,8 @@ class _DescriptorKeyedIpcSender(IpcSender):
     file, every later push packs into memory no receiver can open."""
 
     def _fit_segments(self, sizes):
-        real, ipc_path._damage = ipc_path._damage, lambda shm: None
-        try:
+        with patched(ipc_path, "_damage", lambda shm: None):
             super()._fit_segments(sizes)
-        finally:
-            ipc_path._damage = real
 
 
 class DescriptorKeyedIpcBackend(SwapsSenderClass, IpcBackend):

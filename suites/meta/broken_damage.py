@@ -18,7 +18,7 @@ from harness.paths import disk as disk_path
 from harness.paths import ipc as ipc_path
 from harness.paths.disk import DiskSender
 from harness.paths.ipc import IpcSender
-from suites.meta.broken import SwapsSenderClass
+from suites.meta.broken import SwapsSenderClass, patched
 
 
 class _NameReclaimingIpcSender(IpcSender):
@@ -84,14 +84,12 @@ class _ListingDiskSender(DiskSender):
             info = super().prepare(version, named_tensors)
             listing.append(Path(info["path"]))
             return info
-        real = disk_path.write_checkpoint
-        disk_path.write_checkpoint = lambda root, *a, **k: _sibling_write_checkpoint(
-            listing[-1] / os.pardir, *a, **k
-        )
-        try:
+        with patched(
+            disk_path,
+            "write_checkpoint",
+            lambda root, *a, **k: _sibling_write_checkpoint(listing[-1] / os.pardir, *a, **k),
+        ):
             info = super().prepare(version, named_tensors)
-        finally:
-            disk_path.write_checkpoint = real
         listing.append(Path(info["path"]))
         return info
 
