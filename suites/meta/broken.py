@@ -318,6 +318,17 @@ def make_no_retry_control_backend():
 
 
 # ------------------------------------------------------------------------------------------ delta
+class _BroadcastDeltaBackend(SwapsSenderClass, DeltaBackend):
+    """A delta path over broadcast whose sender is `broken_sender`, named `broken_name` (a DeltaBackend
+    names itself after the dense path it rides on)."""
+
+    broken_name: str
+
+    def __init__(self):
+        super().__init__("broadcast")
+        self.name = self.broken_name
+
+
 def _value_diff_changed_indices(old, new):
     return (old != new).nonzero().reshape(-1)  # the defect under test
 
@@ -330,12 +341,9 @@ class _ValueDiffDeltaSender(DeltaSender):
             return super().prepare(version, named_tensors)
 
 
-class ValueDiffDeltaBackend(SwapsSenderClass, DeltaBackend):
+class ValueDiffDeltaBackend(_BroadcastDeltaBackend):
+    broken_name = "broken-value-diff-delta"
     broken_sender = _ValueDiffDeltaSender
-
-    def __init__(self):
-        super().__init__("broadcast")
-        self.name = "broken-value-diff-delta"
 
 
 def make_value_diff_delta_backend():
@@ -424,12 +432,9 @@ class _BaseKeepingDeltaSender(DeltaSender):
         pass  # the defect under test
 
 
-class BaseKeepingDeltaBackend(SwapsSenderClass, DeltaBackend):
+class BaseKeepingDeltaBackend(_BroadcastDeltaBackend):
+    broken_name = "broken-base-keeping-delta"
     broken_sender = _BaseKeepingDeltaSender
-
-    def __init__(self):
-        super().__init__("broadcast")
-        self.name = "broken-base-keeping-delta"
 
 
 def make_base_keeping_delta_backend():
