@@ -782,23 +782,34 @@ def _or_dash(value, fmt) -> str:
     return "–" if value is None else fmt(value)
 
 
-def bills_table(report: Report):
+def _table(title: str, columns: tuple[str, ...] = (), left: tuple[str, ...] = ()):
+    """A rich table in the cost report's style, with `columns` right-justified (the figures) but those in
+    `left` (the names)."""
     from rich import box
     from rich.table import Table
 
-    table = Table(title="sync overhead: seconds × GPUs held × steps", box=box.SIMPLE_HEAD)
-    for col in (
-        "what",
-        "s / step",
-        "GPUs",
-        "steps",
-        "GPU-s / step",
-        "GPU-h / step",
-        "GPU-h / run",
-        "$ / step",
-        "$ / run",
-    ):
-        table.add_column(col, justify="left" if col == "what" else "right")
+    table = Table(title=title, box=box.SIMPLE_HEAD)
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
+def bills_table(report: Report):
+    table = _table(
+        "sync overhead: seconds × GPUs held × steps",
+        (
+            "what",
+            "s / step",
+            "GPUs",
+            "steps",
+            "GPU-s / step",
+            "GPU-h / step",
+            "GPU-h / run",
+            "$ / step",
+            "$ / run",
+        ),
+        left=("what",),
+    )
     for b in report.bills:
         table.add_row(
             b.what,
@@ -815,10 +826,7 @@ def bills_table(report: Report):
 
 
 def lines_table(plan: Plan):
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title="placement arithmetic", box=box.SIMPLE_HEAD)
+    table = _table("placement arithmetic")
     table.add_column("step", no_wrap=True)
     table.add_column("arithmetic", overflow="fold")
     table.add_column("result", no_wrap=True)
@@ -828,21 +836,11 @@ def lines_table(plan: Plan):
 
 
 def placements_table(report: Report):
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title="placements", box=box.SIMPLE_HEAD)
-    for col in (
-        "placement",
-        "GPUs",
-        "fullest GPU",
-        "sync / step",
-        "GPU-s / step",
-        "GPU-h / run",
-        "$ / run",
-        "how",
-    ):
-        table.add_column(col, justify="left" if col in ("placement", "how") else "right")
+    table = _table(
+        "placements",
+        ("placement", "GPUs", "fullest GPU", "sync / step", "GPU-s / step", "GPU-h / run", "$ / run", "how"),
+        left=("placement", "how"),
+    )
     for p in (report.plan.collocated, report.plan.disaggregated):
         bill = placement_bill(p, report.steps, report.price)
         table.add_row(

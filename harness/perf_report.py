@@ -10,16 +10,8 @@ from pathlib import Path
 
 from harness.bench import DEFAULT_CHANGED, SyncRow, busy_rows, gate_failures
 from harness.report import environment, throughput_section
+from harness.report.plots import pyplot, save_figure
 from harness.throughput_model import fit_paths
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def receivers_table(rows: list[SyncRow]) -> list[str]:
@@ -146,7 +138,7 @@ def plot_buckets(rows: list[SyncRow], path: Path) -> bool:
     swept = [r for r in rows if r.bucket_bytes]
     if not swept:
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     _time_lines(
         ax,
@@ -163,9 +155,7 @@ def plot_buckets(rows: list[SyncRow], path: Path) -> bool:
     ax.set_title("time against bucket size")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -176,7 +166,7 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
     deltas = [r for r in rows if r.changed]
     if not dense:
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     _time_lines(
         left,
@@ -217,9 +207,7 @@ def plot_scaling(rows: list[SyncRow], path: Path) -> bool:
     right.grid(alpha=0.3)
     if right.get_legend_handles_labels()[0]:
         right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 

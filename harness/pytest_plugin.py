@@ -327,6 +327,21 @@ def control_target_of(config: pytest.Config):
     return target
 
 
+def docker_host_fixture(host):
+    """The body of a fixture that lends a harness.faults.docker_net.DockerHost: started, yielded, closed
+    after; where no Docker engine can be had, the test is skipped as unknown, saying why."""
+    from harness.faults.docker_net import DockerUnavailable
+
+    try:
+        host.__enter__()
+    except DockerUnavailable as exc:
+        pytest.skip(f"unknown: {exc.reason}")
+    try:
+        yield host
+    finally:
+        host.close()
+
+
 def outcomes_of(config: pytest.Config) -> dict:
     """This run's per-test records (nodeid -> dict) that --weightsync-results writes; a test may add to
     its own."""

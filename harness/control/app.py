@@ -125,6 +125,14 @@ def control_receivers() -> dict[str, str]:
     return {name: path for name, path in found.items() if path}
 
 
+#: The command line's flags for the client limits: (flag, its ClientLimits field and default, type, meaning).
+_CLIENT_LIMIT_FLAGS = (
+    ("--header-timeout", "header_timeout_s", float, "seconds a request's headers may take"),
+    ("--body-timeout", "body_timeout_s", float, "seconds a request's body may take after its headers"),
+    ("--max-connections", "max_connections", int, "open connections at most, held below the file limit"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m harness.control.app --path disk --allowed-dir DIR`; the token comes from
     --token-file, $WEIGHTSYNC_CONTROL_TOKEN or $VLLM_API_KEY (never the command line, which `ps` shows).
@@ -151,24 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where /sleep offloads weights (default: a temporary directory)")
     ap.add_argument("--worker-index", type=int, default=0, help="this server's element of a list update_info")
     ap.add_argument("--world-size", type=int, default=1, help="what /get_world_size answers")
-    ap.add_argument(
-        "--header-timeout",
-        type=float,
-        default=ClientLimits.header_timeout_s,
-        help="seconds a request's headers may take (default %(default)s)",
-    )
-    ap.add_argument(
-        "--body-timeout",
-        type=float,
-        default=ClientLimits.body_timeout_s,
-        help="seconds a request's body may take after its headers (default %(default)s)",
-    )
-    ap.add_argument(
-        "--max-connections",
-        type=int,
-        default=ClientLimits.max_connections,
-        help="open connections at most, held below the file limit (default %(default)s)",
-    )
+    for flag, field, kind, what in _CLIENT_LIMIT_FLAGS:
+        ap.add_argument(
+            flag, type=kind, default=getattr(ClientLimits, field), help=f"{what} (default %(default)s)"
+        )
     ap.add_argument(
         "--served-model-name", default=SERVER_NAME, help="the model name completions must name (vLLM's flag)"
     )

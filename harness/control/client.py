@@ -233,24 +233,26 @@ class ControlClient:
         except ValueError:
             return {"text": resp.text[:500]}
 
+    def _call_json(self, method: str, path: str, **options: Any) -> Any:
+        """`_call`'s answer read as JSON (`_json`)."""
+        return self._json(self._call(method, path, **options))
+
     # ------------------------------------------------------------------ four phases
     def init_weight_transfer_engine(self, init_info: JSON) -> JSON:
-        return self._json(
-            self._call("POST", "/init_weight_transfer_engine", json_body={"init_info": init_info}, keyed=True)
+        return self._call_json(
+            "POST", "/init_weight_transfer_engine", json_body={"init_info": init_info}, keyed=True
         )
 
     def start_weight_update(self) -> JSON:
-        return self._json(self._call("POST", "/start_weight_update", keyed=True))
+        return self._call_json("POST", "/start_weight_update", keyed=True)
 
     def update_weights(self, update_info: JSON) -> JSON:
-        return self._json(
-            self._call(
-                "POST",
-                "/update_weights",
-                json_body={"update_info": update_info},
-                read_timeout=self.timeouts.update,
-                keyed=True,
-            )
+        return self._call_json(
+            "POST",
+            "/update_weights",
+            json_body={"update_info": update_info},
+            read_timeout=self.timeouts.update,
+            keyed=True,
         )
 
     def finish_weight_update(self, version: int | str | None) -> JSON:
@@ -258,18 +260,13 @@ class ControlClient:
         refused, a server that already serves `version` means the finish landed (once)."""
         body = {"weight_version": str(version)} if version is not None else None
         try:
-            return self._json(self._call("POST", "/finish_weight_update", json_body=body, keyed=True))
+            return self._call_json("POST", "/finish_weight_update", json_body=body, keyed=True)
         except (AmbiguousResultError, WeightSyncError) as exc:
             if version is None or not self._serves(version):
                 if isinstance(exc, AmbiguousResultError) and version is not None:
                     return self._finish_again(version, body, exc)
                 raise
-            self.attempts.append(("/finish_weight_update", "recognised: already committed"))
-            return {
-                "message": "Weight update finished",
-                "weight_version": str(version),
-                "already_committed": True,
-            }
+            return self._already_committed(version)
 
     def _finish_again(self, version: int | str, body: JSON, first: Exception) -> JSON:
         """The first finish's outcome is unknown and the server does not serve `version` yet: repeat it.
@@ -277,18 +274,22 @@ class ControlClient:
         first never ran) or is refused (it did), and the refusal is resolved by reading the version."""
         for _ in range(self.retries):
             try:
-                return self._json(self._call("POST", "/finish_weight_update", json_body=body, keyed=True))
+                return self._call_json("POST", "/finish_weight_update", json_body=body, keyed=True)
             except (AmbiguousResultError, WeightSyncError) as exc:
                 if self._serves(version):
-                    self.attempts.append(("/finish_weight_update", "recognised: already committed"))
-                    return {
-                        "message": "Weight update finished",
-                        "weight_version": str(version),
-                        "already_committed": True,
-                    }
+                    return self._already_committed(version)
                 if not isinstance(exc, AmbiguousResultError):
                     raise
         raise first
+
+    def _already_committed(self, version: int | str) -> JSON:
+        """A finish answered by reading the server: it already serves `version`, so the finish landed once."""
+        self.attempts.append(("/finish_weight_update", "recognised: already committed"))
+        return {
+            "message": "Weight update finished",
+            "weight_version": str(version),
+            "already_committed": True,
+        }
 
     def _serves(self, version: int | str) -> bool:
         info = self.weight_status()
@@ -309,36 +310,33 @@ class ControlClient:
         params = {"mode": mode}
         if clear_cache is not None:
             params["clear_cache"] = "true" if clear_cache else "false"
-        resp = self._call(
+        return self._call_json(
             "POST", "/pause", params=params, read_timeout=self.timeouts.pause, repeatable=True, keyed=True
         )
-        return self._json(resp)
 
     def resume(self) -> JSON:
-        return self._json(self._call("POST", "/resume", repeatable=True, keyed=True))
+        return self._call_json("POST", "/resume", repeatable=True, keyed=True)
 
     def is_paused(self) -> bool:
-        return bool(self._json(self._call("GET", "/is_paused", repeatable=True))["is_paused"])
+        return bool(self._call_json("GET", "/is_paused", repeatable=True)["is_paused"])
 
     def abort_requests(self, request_ids: Sequence[str] | None = None) -> int:
         # always a JSON object: vLLM's /abort_requests refuses a request without a body (400 "Invalid
         # JSON format"); an object without ids aborts everything in flight
         body = {"request_ids": list(request_ids)} if request_ids else {}
         return int(
-            self._json(self._call("POST", "/abort_requests", json_body=body, repeatable=True)).get(
-                "aborted", 0
-            )
+            self._call_json("POST", "/abort_requests", json_body=body, repeatable=True).get("aborted", 0)
         )
 
     def weight_info(self) -> JSON:
-        return self._json(self._call("GET", "/weight_info", repeatable=True))
+        return self._call_json("GET", "/weight_info", repeatable=True)
 
     def weight_status(self) -> JSON:
         """/weight_status on this harness's server (the engine version, an open update, the server's
         name); /weight_info on a server without it (vLLM answers 404)."""
         if self._kind != "vllm":
             try:
-                return self._json(self._call("GET", "/weight_status", repeatable=True))
+                return self._call_json("GET", "/weight_status", repeatable=True)
             except ControlHTTPError as exc:
                 if exc.status not in (404, 405):
                     raise
@@ -349,30 +347,26 @@ class ControlClient:
         return self.weight_info().get("weight_version")
 
     def update_weight_version(self, new_version: str) -> JSON:
-        return self._json(
-            self._call(
-                "POST",
-                "/update_weight_version",
-                json_body={"new_version": new_version},
-                repeatable=True,
-                keyed=True,
-            )
+        return self._call_json(
+            "POST",
+            "/update_weight_version",
+            json_body={"new_version": new_version},
+            repeatable=True,
+            keyed=True,
         )
 
     def reset_prefix_cache(self) -> bool:
         """False when the server says it could not (vLLM 0.32: blocks still held by running requests)."""
         return (
-            self._json(self._call("POST", "/reset_prefix_cache", repeatable=True, keyed=True)).get(
-                "success", True
-            )
+            self._call_json("POST", "/reset_prefix_cache", repeatable=True, keyed=True).get("success", True)
             is not False
         )
 
     def weight_spec(self) -> JSON:
-        return self._json(self._call("GET", "/weight_spec", repeatable=True))
+        return self._call_json("GET", "/weight_spec", repeatable=True)
 
     def stats(self) -> JSON:
-        return self._json(self._call("GET", "/stats", repeatable=True))
+        return self._call_json("GET", "/stats", repeatable=True)
 
     # ------------------------------------------------------------------ generation
     def _completion_body(self, request: GenerationRequest, stream: bool) -> JSON:

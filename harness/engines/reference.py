@@ -178,10 +178,7 @@ class ReferenceEngine(Engine):
         wanted = set(request_ids)
         with self._priority():
             hit = [r for r in [*self._running, *self._waiting] if r.stream.request.request_id in wanted]
-            for r in hit:
-                r.stream.push(
-                    TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort")
-                )
+            self._push_abort(hit)
             self._running = [r for r in self._running if r not in hit]
             self._waiting = collections.deque(r for r in self._waiting if r not in hit)
             self._cond.notify_all()
@@ -193,12 +190,7 @@ class ReferenceEngine(Engine):
         with self._priority():
             if mode == "abort":
                 self._paused = True
-                for r in [*self._running, *self._waiting]:
-                    r.stream.push(
-                        TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort")
-                    )
-                self._running.clear()
-                self._waiting.clear()
+                self._abort_all()
             elif mode == "wait":
                 # Everything submitted before this call is in flight and finishes; later ones queue.
                 self._drain_below = next(self._seq)
@@ -340,16 +332,22 @@ class ReferenceEngine(Engine):
     def shutdown(self) -> None:
         with self._priority():
             self._stopped = True
-            for r in [*self._running, *self._waiting]:
-                r.stream.push(
-                    TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort")
-                )
-            self._running.clear()
-            self._waiting.clear()
+            self._abort_all()
             self._cond.notify_all()
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ scheduler
+    def _push_abort(self, requests) -> None:
+        """Ends each of `requests`' streams with an abort at the tokens it has (the lock held)."""
+        for r in requests:
+            r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+
+    def _abort_all(self) -> None:
+        """Aborts and forgets every running and waiting request (the lock held)."""
+        self._push_abort([*self._running, *self._waiting])
+        self._running.clear()
+        self._waiting.clear()
+
     def _in_flight_below(self, seq: int | None) -> bool:
         return seq is not None and any(r.seq < seq for r in [*self._running, *self._waiting])
 

@@ -60,18 +60,27 @@ def _cell_segments(ctx: FaultContext) -> list[str]:
     return sorted(set(own_segments()) - set(ctx.segments_before))
 
 
-class ShmRemoved(BetweenSyncs):
-    """Every shared-memory segment of the trainer unlinked from /dev/shm (logind's RemoveIPC=yes)."""
-
-    kind = "shm-removed"
+class _ShmDamage(BetweenSyncs):
+    """Damage to the trainer's shared-memory segments: applies to a path that claims 'ipc', at a point
+    where the trainer holds a segment."""
 
     def applies_to(self, caps):
         return None if caps.ipc else "the data plane is not shared memory (the backend does not claim 'ipc')"
 
-    def damage(self, ctx):
+    def _segments(self, ctx: FaultContext) -> list[str]:
         names = _cell_segments(ctx)
         if not names:
             raise PointNotApplicable(f"{self.kind}: the trainer holds no /dev/shm segment between syncs")
+        return names
+
+
+class ShmRemoved(_ShmDamage):
+    """Every shared-memory segment of the trainer unlinked from /dev/shm (logind's RemoveIPC=yes)."""
+
+    kind = "shm-removed"
+
+    def damage(self, ctx):
+        names = self._segments(ctx)
         for name in names:
             os.unlink(f"/dev/shm/{name}")
         self.names = names
@@ -83,20 +92,15 @@ class ShmRemoved(BetweenSyncs):
         return tuple(self.names)
 
 
-class ShmReplaced(BetweenSyncs):
+class ShmReplaced(_ShmDamage):
     """One segment of the trainer replaced by another process's file of the same name and size. The
     file is not the trainer's: after the faulty push and after the recovery it is still there, the
     same inode with the same bytes (a sender that takes the name back deletes someone's data)."""
 
     kind = "shm-replaced"
 
-    def applies_to(self, caps):
-        return None if caps.ipc else "the data plane is not shared memory (the backend does not claim 'ipc')"
-
     def damage(self, ctx):
-        names = _cell_segments(ctx)
-        if not names:
-            raise PointNotApplicable(f"{self.kind}: the trainer holds no /dev/shm segment between syncs")
+        names = self._segments(ctx)
         name = names[ctx.rng.randrange(len(names))]
         path = Path("/dev/shm") / name
         size = path.stat().st_size

@@ -46,6 +46,22 @@ def known_failures_section(results: dict, faults: dict | None = None) -> list[st
     return md
 
 
+def _fault_table(first: str, second: str, kinds, mat: dict, backends: list[str]) -> list[str]:
+    """The fault matrix's rows for `kinds` as a Markdown table: the kind, what it does, each backend's cell
+    (the in-push faults and the damage between syncs are two such tables)."""
+    md = [
+        f"| {first} | {second} | " + " | ".join(backends) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in backends) + " |",
+    ]
+    for kind in kinds:
+        md.append(
+            f"| {kind} | {damage_of(kind)} | "
+            + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends)
+            + " |"
+        )
+    return md
+
+
 def fault_section(faults: dict[str, dict]) -> list[str]:
     mat = fault_matrix(faults)
     if not mat:
@@ -63,17 +79,9 @@ def fault_section(faults: dict[str, dict]) -> list[str]:
         "unknown never counts as ok. A fraction counts the cells (one per point the fault was injected at) "
         "and says what else it holds: NOT_SUPPORTED, a point the backend does not claim what it needs.",
         "",
-        "| fault | what is injected | " + " | ".join(backends) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in backends) + " |",
     ]
     between = between_syncs_kinds(mat)
-    for kind in mat:
-        if kind not in between:
-            md.append(
-                f"| {kind} | {damage_of(kind)} | "
-                + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends)
-                + " |"
-            )
+    md += _fault_table("fault", "what is injected", [k for k in mat if k not in between], mat, backends)
     if between:
         md += [
             "",
@@ -84,15 +92,8 @@ def fault_section(faults: dict[str, dict]) -> list[str]:
             "with an error naming what was damaged (engines still on v1, bit for bit) and v3 committed: never "
             "every push failing until a redeploy, never a redeploy by the harness.",
             "",
-            "| damage | what is damaged | " + " | ".join(backends) + " |",
-            "| --- | --- | " + " | ".join("---" for _ in backends) + " |",
         ]
-        for kind in between:
-            md.append(
-                f"| {kind} | {damage_of(kind)} | "
-                + " | ".join(fault_cell_text(mat[kind].get(b)) for b in backends)
-                + " |"
-            )
+        md += _fault_table("damage", "what is damaged", between, mat, backends)
     bad = [
         c for row in mat.values() for cs in row.values() for c in cs if c["verdict"] in ("fail", "unknown")
     ]

@@ -15,13 +15,29 @@ def rows_by_path(rows: list[SyncRow]) -> dict[tuple[str, int], list[SyncRow]]:
     return out
 
 
-def plot_throughput(rows: list[SyncRow], path: Path) -> bool:
-    if not rows:
-        return False
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (the Agg backend): imported when a plot is made."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    """Writes `fig` to `path` as every plot of the reports is written (tight layout, 110 dpi) and frees it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_throughput(rows: list[SyncRow], path: Path) -> bool:
+    if not rows:
+        return False
+    plt = pyplot()
 
     # Left: what each path achieves, its ceiling dashed in the same colour. Right: the ratio, which is
     # what a gate compares (ceilings differ by 10x between paths, so the left panel is log-scaled).
@@ -42,9 +58,7 @@ def plot_throughput(rows: list[SyncRow], path: Path) -> bool:
     ratio.set_title("ratio to the transport's own ceiling")
     ratio.axhline(1.0, color="grey", linewidth=0.8)
     ratio.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -54,10 +68,7 @@ def plot_breakdown(rows: list[SyncRow], path: Path) -> bool:
     rows = [r for r in rows if r.parts]
     if not rows:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from harness.bench import BAR_PARTS
 
@@ -78,7 +89,5 @@ def plot_breakdown(rows: list[SyncRow], path: Path) -> bool:
     ax.set_title("where a sync's time goes (critical path)")
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return True

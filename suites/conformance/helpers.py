@@ -80,6 +80,15 @@ def push_and_check(
     assert_engines_hold(deployment, version, expected, context, rerun)
 
 
+def push_trainer_steps(deployment: Deployment, trainer, steps: int, context: str, rerun="") -> None:
+    """Pushes the trainer's next `steps` versions, each in full and checked on every engine as it lands
+    (`context` names a step; its version is appended)."""
+    for _ in range(steps):
+        version, weights = trainer.step()
+        push(deployment, version, weights)
+        assert_engines_hold(deployment, version, weights, f"{context} {version}", rerun)
+
+
 def deliver_tampered(deployment: Deployment, version: int, tensors: dict[str, torch.Tensor], tamper) -> None:
     """Like push(), but every receiver gets `tamper(update_info)` while the sender transmits the
     genuine bytes: what a corrupted or forged control message looks like to the engine."""

@@ -40,6 +40,14 @@ def test_served_tokens_equal_an_independent_forward_of_the_pushed_checkpoint(wei
             assert_computes_like(fwd, c, prompt, f"engine {i} at version 1", rerun_hint(request))
 
 
+def _assert_streams_compute_like(fwd, streams, context: str, request) -> None:
+    """Each stream's completion, once it ends, is what the independent forward `fwd` computes for its prompt."""
+    for s in streams:
+        assert_computes_like(
+            fwd, s.result(timeout=60), s.request.prompt_token_ids, context, rerun_hint(request)
+        )
+
+
 def test_tied_head_computes_with_the_pushed_embedding(weightsync_tied_deployment, request):
     """A tied model has no lm_head in its checkpoint: the head is the embedding. Pushed whole, then the
     embedding alone: both times the served logits must follow the embedding pushed."""
@@ -98,19 +106,5 @@ def test_waited_and_queued_requests_compute_with_the_version_they_ran_on(weights
     push(weightsync_deployment, 1, new_weights)
     engine.resume()
     new = independent_forward(engine, new_weights)
-    for s in streams:
-        assert_computes_like(
-            old,
-            s.result(timeout=60),
-            s.request.prompt_token_ids,
-            "finished under pause(wait), version 0",
-            rerun_hint(request),
-        )
-    for s in queued:
-        assert_computes_like(
-            new,
-            s.result(timeout=60),
-            s.request.prompt_token_ids,
-            "sent while paused, run on version 1",
-            rerun_hint(request),
-        )
+    _assert_streams_compute_like(old, streams, "finished under pause(wait), version 0", request)
+    _assert_streams_compute_like(new, queued, "sent while paused, run on version 1", request)

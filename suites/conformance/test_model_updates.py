@@ -6,7 +6,7 @@ from fixtures.payloads import random_like_spec
 from harness.checks import assert_bitwise_equal
 from harness.deployment import push
 from harness.trainer import ReferenceTrainer
-from suites.conformance.helpers import assert_engines_hold, push_and_check, rerun_hint
+from suites.conformance.helpers import push_and_check, push_trainer_steps, rerun_hint
 
 
 def test_full_model_update_is_bitwise(weightsync_deployment, weightsync_backend, request):
@@ -26,16 +26,9 @@ def test_full_model_update_is_bitwise(weightsync_deployment, weightsync_backend,
 def test_consecutive_trainer_versions_each_land(weightsync_deployment, weightsync_backend, request):
     """Versions from seeded AdamW steps (most entries unchanged between steps), each pushed in full."""
     trainer = ReferenceTrainer(weightsync_deployment.handles[0].engine.weight_spec(), seed=3)
-    for _ in range(6):
-        version, weights = trainer.step()
-        push(weightsync_deployment, version, weights)
-        assert_engines_hold(
-            weightsync_deployment,
-            version,
-            weights,
-            f"{weightsync_backend.name} step {version}",
-            rerun_hint(request),
-        )
+    push_trainer_steps(
+        weightsync_deployment, trainer, 6, f"{weightsync_backend.name} step", rerun_hint(request)
+    )
 
 
 def test_partial_update_keeps_the_rest(weightsync_deployment, weightsync_backend, request):

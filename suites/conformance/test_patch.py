@@ -18,6 +18,7 @@ from suites.conformance.helpers import (
     assert_engines_hold,
     assert_unchanged,
     deliver_tampered,
+    push_trainer_steps,
     rerun_hint,
     snapshot,
 )
@@ -153,16 +154,9 @@ def test_a_patch_applied_twice_is_refused(weightsync_deployment, weightsync_back
 def test_fifty_trainer_steps_by_delta_equal_full_syncs(weightsync_deployment, weightsync_backend, request):
     """Each version the trainer makes, sent as a patch, lands exactly as a full sync would put it."""
     trainer = _policy_trainer(weightsync_deployment, 14)
-    for _ in range(52):
-        version, weights = trainer.step()
-        push(weightsync_deployment, version, weights)
-        assert_engines_hold(
-            weightsync_deployment,
-            version,
-            weights,
-            f"{weightsync_backend.name} trainer step {version}",
-            rerun_hint(request),
-        )
+    push_trainer_steps(
+        weightsync_deployment, trainer, 52, f"{weightsync_backend.name} trainer step", rerun_hint(request)
+    )
     history = weightsync_deployment.sender.history[-51:]
     sparse = sum(s.sparse_tensors for s in history)
     assert sparse == len(POLICY_SPEC) * len(history), (

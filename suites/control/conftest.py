@@ -123,6 +123,19 @@ class Unreachable:
         return f"<unreachable {self._what}>"
 
 
+def _not_supported_attribute(what: str) -> property:
+    """An attribute of the reference engine that a test reads or sets: NOT_SUPPORTED either way against a
+    foreign server."""
+
+    def read(self):
+        not_supported(what)
+
+    def write(self, value):
+        not_supported(f"{what} (set from the test)")
+
+    return property(read, write)
+
+
 class ForeignEngine(RemoteEngine):
     """`served.engine` of a foreign server: what HTTP answers (version, spec, generation, pause); the
     weights through the server object's `read_weights()` when it has one; anything else of the
@@ -156,21 +169,8 @@ class ForeignEngine(RemoteEngine):
     def model_config(self):
         not_supported("engine.model_config() (an independent forward of its model)")
 
-    @property
-    def tokenizer(self):  # type: ignore[override]
-        not_supported("engine.tokenizer")
-
-    @tokenizer.setter
-    def tokenizer(self, value):
-        not_supported("engine.tokenizer (set from the test)")
-
-    @property
-    def reports_logprobs(self):  # type: ignore[override]
-        not_supported("engine.reports_logprobs")
-
-    @reports_logprobs.setter
-    def reports_logprobs(self, value):
-        not_supported("engine.reports_logprobs (set from the test)")
+    tokenizer = _not_supported_attribute("engine.tokenizer")
+    reports_logprobs = _not_supported_attribute("engine.reports_logprobs")
 
     @property
     def commit_weights(self):  # type: ignore[override]

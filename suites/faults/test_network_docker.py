@@ -32,12 +32,12 @@ from harness.faults.docker_net import (
     BandwidthCap,
     Disconnect,
     DockerHost,
-    DockerUnavailable,
     OneWayPartition,
     OomKill,
     PacketLoss,
     Partition,
 )
+from harness.pytest_plugin import docker_host_fixture
 
 pytestmark = [
     pytest.mark.docker,
@@ -52,15 +52,7 @@ TIMEOUT_S = 5.0
 
 @pytest.fixture(scope="module")
 def docker_host():
-    host = DockerHost()
-    try:
-        host.__enter__()
-    except DockerUnavailable as exc:
-        pytest.skip(f"unknown: {exc.reason}")
-    try:
-        yield host
-    finally:
-        host.close()
+    yield from docker_host_fixture(DockerHost())
 
 
 # ============================================================================ 1. the primitives, measured

@@ -3,6 +3,7 @@ If one of these ever passes, a check has gone soft."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -28,6 +29,31 @@ from harness.paths.delta import DeltaSender
 from harness.paths.disk import DiskSender
 from harness.paths.ipc import TOKEN_BYTES, IpcReceiver, IpcSender
 from harness.paths.staging_pool import StagingPool
+
+
+@contextlib.contextmanager
+def patched(owner, attr: str, value):
+    """`owner.attr` is `value` inside the block and what it was again after it, however the block ends:
+    a real module's function swapped for its broken version for one call of the sender."""
+    real = getattr(owner, attr)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, real)
+
+
+class SwapsSenderClass:
+    """Mixin for a broken backend: deploys as its real backend, then swaps the sender's class for
+    `broken_sender` (a subclass of the real one), so the sender keeps its state and only the defect
+    under test differs."""
+
+    broken_sender: type
+
+    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
+        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
+        dep.sender.__class__ = self.broken_sender
+        return dep
 
 
 class SignLosingSender(DiskSender):
@@ -61,13 +87,9 @@ class LeakySender(DiskSender):
         return super().prepare(version, named_tensors)
 
 
-class LeakyBackend(DiskBackend):
+class LeakyBackend(SwapsSenderClass, DiskBackend):
     name = "broken-leaky"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = LeakySender  # same state, leaky behaviour
-        return dep
+    broken_sender = LeakySender
 
 
 class StaleCacheEngine(ReferenceEngine):
@@ -296,29 +318,32 @@ def make_no_retry_control_backend():
 
 
 # ------------------------------------------------------------------------------------------ delta
+class _BroadcastDeltaBackend(SwapsSenderClass, DeltaBackend):
+    """A delta path over broadcast whose sender is `broken_sender`, named `broken_name` (a DeltaBackend
+    names itself after the dense path it rides on)."""
+
+    broken_name: str
+
+    def __init__(self):
+        super().__init__("broadcast")
+        self.name = self.broken_name
+
+
+def _value_diff_changed_indices(old, new):
+    return (old != new).nonzero().reshape(-1)  # the defect under test
+
+
 class _ValueDiffDeltaSender(DeltaSender):
     """Finds what changed by comparing values, not bits: -0.0 == +0.0, so a sign flip is never sent."""
 
     def prepare(self, version, named_tensors):
-        real = delta_codec.changed_indices
-        delta_codec.changed_indices = lambda old, new: (
-            (old != new).nonzero().reshape(-1)
-        )  # the defect under test
-        try:
+        with patched(delta_codec, "changed_indices", _value_diff_changed_indices):
             return super().prepare(version, named_tensors)
-        finally:
-            delta_codec.changed_indices = real
 
 
-class ValueDiffDeltaBackend(DeltaBackend):
-    def __init__(self):
-        super().__init__("broadcast")
-        self.name = "broken-value-diff-delta"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _ValueDiffDeltaSender
-        return dep
+class ValueDiffDeltaBackend(_BroadcastDeltaBackend):
+    broken_name = "broken-value-diff-delta"
+    broken_sender = _ValueDiffDeltaSender
 
 
 def make_value_diff_delta_backend():
@@ -364,13 +389,9 @@ class _TailLosingIpcSender(IpcSender):
         return info
 
 
-class TailLosingIpcBackend(IpcBackend):
+class TailLosingIpcBackend(SwapsSenderClass, IpcBackend):
     name = "broken-tail-losing-ipc"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _TailLosingIpcSender
-        return dep
+    broken_sender = _TailLosingIpcSender
 
 
 def make_tail_losing_ipc_backend():
@@ -411,15 +432,9 @@ class _BaseKeepingDeltaSender(DeltaSender):
         pass  # the defect under test
 
 
-class BaseKeepingDeltaBackend(DeltaBackend):
-    def __init__(self):
-        super().__init__("broadcast")
-        self.name = "broken-base-keeping-delta"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _BaseKeepingDeltaSender
-        return dep
+class BaseKeepingDeltaBackend(_BroadcastDeltaBackend):
+    broken_name = "broken-base-keeping-delta"
+    broken_sender = _BaseKeepingDeltaSender
 
 
 def make_base_keeping_delta_backend():
@@ -517,20 +532,13 @@ def _publish_first_write_checkpoint(root, manifest, named_tensors, attempt=0, ta
 
 class _PublishFirstSender(DiskSender):
     def prepare(self, version, named_tensors):
-        real, disk_path.write_checkpoint = disk_path.write_checkpoint, _publish_first_write_checkpoint
-        try:
+        with patched(disk_path, "write_checkpoint", _publish_first_write_checkpoint):
             return super().prepare(version, named_tensors)
-        finally:
-            disk_path.write_checkpoint = real
 
 
-class PublishFirstDiskBackend(DiskBackend):
+class PublishFirstDiskBackend(SwapsSenderClass, DiskBackend):
     name = "broken-publish-first"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _PublishFirstSender
-        return dep
+    broken_sender = _PublishFirstSender
 
 
 def make_publish_first_disk_backend():
@@ -543,20 +551,13 @@ class _DescriptorKeyedIpcSender(IpcSender):
     file, every later push packs into memory no receiver can open."""
 
     def _fit_segments(self, sizes):
-        real, ipc_path._damage = ipc_path._damage, lambda shm: None
-        try:
+        with patched(ipc_path, "_damage", lambda shm: None):
             super()._fit_segments(sizes)
-        finally:
-            ipc_path._damage = real
 
 
-class DescriptorKeyedIpcBackend(IpcBackend):
+class DescriptorKeyedIpcBackend(SwapsSenderClass, IpcBackend):
     name = "broken-descriptor-keyed-ipc"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _DescriptorKeyedIpcSender
-        return dep
+    broken_sender = _DescriptorKeyedIpcSender
 
 
 def make_descriptor_keyed_ipc_backend():
@@ -573,13 +574,9 @@ class _LastCheckpointTrustingSender(DiskSender):
         return super().prepare(version, named_tensors)
 
 
-class LastCheckpointTrustingDiskBackend(DiskBackend):
+class LastCheckpointTrustingDiskBackend(SwapsSenderClass, DiskBackend):
     name = "broken-last-checkpoint-trusting"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _LastCheckpointTrustingSender
-        return dep
+    broken_sender = _LastCheckpointTrustingSender
 
 
 def make_last_checkpoint_trusting_disk_backend():

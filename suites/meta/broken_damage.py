@@ -18,6 +18,7 @@ from harness.paths import disk as disk_path
 from harness.paths import ipc as ipc_path
 from harness.paths.disk import DiskSender
 from harness.paths.ipc import IpcSender
+from suites.meta.broken import SwapsSenderClass, patched
 
 
 class _NameReclaimingIpcSender(IpcSender):
@@ -38,13 +39,9 @@ class _NameReclaimingIpcSender(IpcSender):
         super()._fit_segments(sizes)
 
 
-class NameReclaimingIpcBackend(IpcBackend):
+class NameReclaimingIpcBackend(SwapsSenderClass, IpcBackend):
     name = "broken-name-reclaiming-ipc"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _NameReclaimingIpcSender
-        return dep
+    broken_sender = _NameReclaimingIpcSender
 
 
 def make_name_reclaiming_ipc_backend():
@@ -87,25 +84,19 @@ class _ListingDiskSender(DiskSender):
             info = super().prepare(version, named_tensors)
             listing.append(Path(info["path"]))
             return info
-        real = disk_path.write_checkpoint
-        disk_path.write_checkpoint = lambda root, *a, **k: _sibling_write_checkpoint(
-            listing[-1] / os.pardir, *a, **k
-        )
-        try:
+        with patched(
+            disk_path,
+            "write_checkpoint",
+            lambda root, *a, **k: _sibling_write_checkpoint(listing[-1] / os.pardir, *a, **k),
+        ):
             info = super().prepare(version, named_tensors)
-        finally:
-            disk_path.write_checkpoint = real
         listing.append(Path(info["path"]))
         return info
 
 
-class ListingDiskBackend(DiskBackend):
+class ListingDiskBackend(SwapsSenderClass, DiskBackend):
     name = "broken-listing-disk"
-
-    def deploy(self, n_receivers, spec, workdir, engine=None, bucket_bytes=None):
-        dep = super().deploy(n_receivers, spec, workdir, engine, bucket_bytes)
-        dep.sender.__class__ = _ListingDiskSender
-        return dep
+    broken_sender = _ListingDiskSender
 
 
 def make_listing_disk_backend():

@@ -23,23 +23,26 @@ def _run(pytester, backend: str, kind: str, *args):
     )
 
 
+def _assert_failed(result, failed: int, lines: list[str]) -> None:
+    """`failed` fault cells failed (else the run's tail is shown) and the output says why: `lines`, in order."""
+    assert result.parseoutcomes().get("failed", 0) == failed, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(lines)
+
+
 def test_fault_suite_fails_a_commit_that_lands_on_some_engines_only(pytester):
     result = _run(pytester, "make_partial_commit_backend", "commit-fail-last-engine")
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*reported success while engines serve versions*"])
+    _assert_failed(result, 1, ["*reported success while engines serve versions*"])
 
 
 def test_fault_suite_fails_a_supervisor_that_never_restarts(pytester):
     result = _run(pytester, "make_no_restart_backend", "receiver-kill-before-transfer")
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*no recovery*"])
+    _assert_failed(result, 1, ["*no recovery*"])
 
 
 def test_fault_suite_fails_a_timeout_that_is_not_honoured(pytester):
     # the named points run deterministically: a stall during finish waits for the rank inside a call
     result = _run(pytester, "make_ignored_timeout_backend", "receiver-stall-during-finish")
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*over 2x the 4s timeout*"])
+    _assert_failed(result, 1, ["*over 2x the 4s timeout*"])
 
 
 def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(pytester):
@@ -48,16 +51,14 @@ def test_fault_suite_fails_a_control_client_that_does_not_retry_a_cut_request(py
         "make_no_retry_control_backend",
         "fault_cell and update_weights and (http-request-cut or http-answer-lost)",
     )
-    assert result.parseoutcomes().get("failed", 0) == 2, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*a fault the client must ride out*"])
+    _assert_failed(result, 2, ["*a fault the client must ride out*"])
 
 
 def test_fault_suite_fails_a_delta_that_keeps_its_base_after_a_split(pytester):
     # consecutive versions make v2 and v3 patches; after one engine committed v2 and one did not, a
     # patch against v1 is refused by the engine at v2: only a full sync converges them
     result = _run(pytester, "make_base_keeping_delta_backend", "commit-fail-last-engine")
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*no recovery*patch made against version 1, engine holds version 2*"])
+    _assert_failed(result, 1, ["*no recovery*patch made against version 1, engine holds version 2*"])
 
 
 def test_fault_suite_fails_a_writer_that_publishes_before_the_last_shard(pytester):
@@ -73,9 +74,8 @@ def test_fault_suite_fails_an_ipc_sender_that_keys_its_segments_by_descriptor_on
     result = _run(
         pytester, "make_descriptor_keyed_ipc_backend", "fault_cell and (shm-removed or shm-replaced)"
     )
-    assert result.parseoutcomes().get("failed", 0) == 2, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(
-        ["*x shm-removed*", "*no recovery*does not exist in /dev/shm: removed by another process*"]
+    _assert_failed(
+        result, 2, ["*x shm-removed*", "*no recovery*does not exist in /dev/shm: removed by another process*"]
     )
 
 
@@ -83,8 +83,7 @@ def test_fault_suite_fails_a_disk_sender_that_assumes_its_last_checkpoint_exists
     result = _run(
         pytester, "make_last_checkpoint_trusting_disk_backend", "fault_cell and checkpoints-removed"
     )
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*x checkpoints-removed*", "*no recovery*No such file or directory*"])
+    _assert_failed(result, 1, ["*x checkpoints-removed*", "*no recovery*No such file or directory*"])
 
 
 def test_fault_suite_fails_a_declared_half_hour_timeout_before_anything_runs(pytester):
@@ -101,9 +100,10 @@ def test_fault_suite_bounds_an_undeclared_half_hour_wait_by_its_own_deadline(pyt
     t0 = time.monotonic()
     result = _run(pytester, "make_undeclared_half_hour_backend", "receiver-stall-during-finish")
     elapsed = time.monotonic() - t0
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(
-        ["*phase 'push' overran its * s budget*rank * in 'finish_weight_update'*", "*cell's stack*"]
+    _assert_failed(
+        result,
+        1,
+        ["*phase 'push' overran its * s budget*rank * in 'finish_weight_update'*", "*cell's stack*"],
     )
     assert elapsed < 120, f"the overrun was caught after {elapsed:.0f} s (the backend waits 1800 s)"
 

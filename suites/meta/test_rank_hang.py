@@ -342,22 +342,24 @@ def test_a_run_killed_during_a_test_without_a_record_fails_that_test():
     assert decide({"disk": data}).verdict == FAIL
 
 
-def test_a_timed_out_test_names_the_rank_calls_in_flight(tmp_path):
-    proc, results, _ = _hung_run(tmp_path, "--timeout=1")
+def _hung_test_record(tmp_path: Path, *args: str) -> tuple[dict, Path]:
+    """The hung test's record from a run that completes (its own limit in `args` ends the test), and the
+    file its rank's pid is written to."""
+    proc, results, ready = _hung_run(tmp_path, *args)
     out, _ = proc.communicate(timeout=60)
     data = json.loads(results.read_text())
     assert data["complete"], (data, out.decode()[-2000:])
-    rec = data["tests"]["test_hung.py::test_hangs"]
+    return data["tests"]["test_hung.py::test_hangs"], ready
+
+
+def test_a_timed_out_test_names_the_rank_calls_in_flight(tmp_path):
+    rec, _ = _hung_test_record(tmp_path, "--timeout=1")
     assert rec["status"] == "failed" and "Timeout" in rec["message"], rec
     assert "rank calls in flight: rank 1 (pid " in rec["message"] and "in 'poll' for 9" in rec["message"], rec
 
 
 def test_a_test_past_its_deadline_fails_naming_the_calls_in_flight_and_the_run_goes_on(tmp_path):
-    proc, results, ready = _hung_run(tmp_path, "--weightsync-test-deadline=2")
-    out, _ = proc.communicate(timeout=60)
-    data = json.loads(results.read_text())
-    assert data["complete"], (data, out.decode()[-2000:])
-    rec = data["tests"]["test_hung.py::test_hangs"]
+    rec, ready = _hung_test_record(tmp_path, "--weightsync-test-deadline=2")
     assert rec["status"] == "failed" and "ran past its 2 s deadline" in rec["message"], rec
     assert "rank 1 (pid " in rec["message"] and "in 'poll' for 9" in rec["message"], rec
     assert rec["duration_s"] < 10, f"the deadline of 2 s ended the test after {rec['duration_s']} s"

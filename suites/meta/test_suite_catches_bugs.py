@@ -14,6 +14,16 @@ def _run(pytester, *args):
     return pytester.runpytest_subprocess("--pyargs", "suites.conformance", "-p", "no:cacheprovider", *args)
 
 
+def _assert_failed(result, failed: int, lines: list[str], passed: int | None = None) -> None:
+    """`failed` tests failed, and `passed` passed where given (else the run's tail is shown); the output
+    says why: `lines`, in order."""
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == failed and (passed is None or outcomes.get("passed", 0) == passed), (
+        result.stdout.str()[-2000:]
+    )
+    result.stdout.fnmatch_lines(lines)
+
+
 def test_suite_fails_a_path_that_loses_the_sign_of_zero(pytester):
     result = _run(
         pytester,
@@ -36,14 +46,12 @@ def test_suite_fails_an_engine_that_keeps_a_stale_prefix_cache(pytester):
         "-k",
         "fresh_engine",
     )
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*prefix cache not invalidated*"])
+    _assert_failed(result, 1, ["*prefix cache not invalidated*"])
 
 
 def test_suite_fails_a_path_that_leaks_per_sync(pytester):
     result = _run(pytester, "--weightsync-backend=suites.meta.broken:make_leaky_backend", "-k", "grows")
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*these grew*trainer fds*workdir files*"])
+    _assert_failed(result, 1, ["*these grew*trainer fds*workdir files*"])
 
 
 def test_unknown_backend_is_a_usage_error_not_a_crash(pytester):
@@ -147,10 +155,11 @@ def test_suite_fails_an_engine_that_caches_a_kept_requests_old_kv_after_the_upda
     result = _engine_run(
         pytester, "suites.meta.broken:make_decode_block_caching_engine", "fresh_engine or under_traffic"
     )
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) == 2, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(
-        ["*_ test_new_requests_after_an_update_under_traffic*keep*", "*stale KV from version 0 served?*"]
+    _assert_failed(
+        result,
+        1,
+        ["*_ test_new_requests_after_an_update_under_traffic*keep*", "*stale KV from version 0 served?*"],
+        passed=2,
     )
 
 
@@ -159,13 +168,14 @@ def test_suite_fails_a_pause_that_misses_queued_requests(pytester):
     result = _engine_run(
         pytester, "suites.meta.broken:make_queue_blind_pause_engine", "queued_behind_the_batch"
     )
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) == 2 and outcomes.get("passed", 0) == 1, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(
+    _assert_failed(
+        result,
+        2,
         [
             "*_ test_pause_reaches_requests_queued_behind_the_batch*abort*",
             "*_ test_pause_reaches_requests_queued_behind_the_batch*wait*",
-        ]
+        ],
+        passed=1,
     )
 
 
@@ -183,10 +193,11 @@ def test_suite_fails_a_kept_request_that_finishes_on_the_old_weights(pytester):
 
 def test_suite_fails_an_in_place_rollback_that_forgets_fused_slices(pytester):
     result = _engine_run(pytester, "suites.meta.broken:make_fused_blind_rollback_engine", "in_place")
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("failed", 0) == 1 and outcomes.get("passed", 0) == 2, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(
-        ["*_ test_rollback_restores_the_committed_version*", "*after an in-place load rolled back*"]
+    _assert_failed(
+        result,
+        1,
+        ["*_ test_rollback_restores_the_committed_version*", "*after an in-place load rolled back*"],
+        passed=2,
     )
 
 
@@ -214,8 +225,7 @@ def test_suite_fails_a_receiver_that_stages_into_the_memory_its_engine_serves(py
         "-k",
         "corrupted_digest",
     )
-    assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-2000:]
-    result.stdout.fnmatch_lines(["*after forged digest*"])
+    _assert_failed(result, 1, ["*after forged digest*"])
 
 
 def test_suite_fails_tokens_stamped_when_read_not_when_made(pytester):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.faults.docker_net import BandwidthCap, DockerHost, DockerUnavailable
+from harness.faults.docker_net import BandwidthCap, DockerHost
+from harness.pytest_plugin import docker_host_fixture
 
 pytestmark = [
     pytest.mark.docker,
@@ -76,15 +77,7 @@ def _validate(host, out: Path, extra: list[str], cap: bool = False, wait_for=NOD
 
 @pytest.fixture
 def docker_host(tmp_path):
-    host = DockerHost(extra_mounts={str(tmp_path): "rw"})
-    try:
-        host.__enter__()
-    except DockerUnavailable as exc:
-        pytest.skip(f"unknown: {exc.reason}")
-    try:
-        yield host
-    finally:
-        host.close()
+    yield from docker_host_fixture(DockerHost(extra_mounts={str(tmp_path): "rw"}))
 
 
 def test_one_capped_link_is_named_by_both_hostnames(docker_host, tmp_path):
