@@ -3,6 +3,7 @@ gloo in a spawned world and print bytes per rank (planned, minimum, measured) an
 
     python -m harness.reshard --trainers 3 --engines 2
     python -m harness.reshard --trainers 3 --engines 2 --vocab 1000 --hidden 64 --run --steps 3
+    python -m harness.reshard --trainers 3 --engines 2 --replicas 2 --run     # broadcast per rank group
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 from harness.reshard.layout import ModelShape, engine_layout, trainer_layout
 from harness.reshard.plan import build_plan
+from harness.reshard.sync import DATA_PLANES, choose_data_plane
 from harness.reshard.trainer_shards import DTENSOR, FSDP2
 
 
@@ -34,7 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="the plan as JSON instead of a table")
     parser.add_argument("--run", action="store_true", help="sync it over gloo and measure")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--replicas", type=int, default=1, help="engine replicas, each of --engines ranks")
+    parser.add_argument(
+        "--plane", default="auto", choices=["auto", *DATA_PLANES], help="data plane (auto: chosen, and why)"
+    )
     args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error(f"--replicas {args.replicas}: at least 1")
     ints = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelShape) if f.type in ("int", int)}
     model = ModelShape(**ints, tied=not args.untied, qkv_bias=args.qkv_bias)
     plan = build_plan(
@@ -46,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from harness.reshard.world import ReshardWorld, job
 
-    with ReshardWorld(args.trainers, args.engines) as world:
-        run = world.run(job(model, args.api, args.dtype, steps=args.steps, plan=plan))
+    plane, why = choose_data_plane(args.replicas)
+    if args.plane != "auto":
+        plane, why = args.plane, "named by --plane"
+    print(f"\ndata plane: {plane} ({why})", flush=True)
+    with ReshardWorld(args.trainers, args.engines, replicas=args.replicas) as world:
+        run = world.run(job(model, args.api, args.dtype, steps=args.steps, plan=plan, plane=plane))
     if not run.ok:
         print(f"FAIL: {run.summary()}", flush=True)
         return 1
@@ -55,7 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         slowest = max(rep["steps"][step]["seconds"] for rep in run.reports.values())
         print(f"{step:>5} {slowest:>23.4f} {0:>7}")
-    print(f"\nbytes moved in step 0:\n{plan.bytes_table(run.measured_bytes(0))}")
+    measured = run.measured_bytes(0)
+    for q in range(args.replicas):  # each replica's engine ranks against the plan; the trainers' sends
+        mine = {k: v for k, v in measured.items() if k.startswith("trainer")}
+        mine |= {
+            f"engine {e}": measured[f"engine {e}" + (f" of replica {q}" if args.replicas > 1 else "")]
+            for e in range(args.engines)
+        }
+        title = f" (replica {q}; trainers: everything they handed over)" if args.replicas > 1 else ""
+        print(f"\nbytes moved in step 0{title}:\n{plan.bytes_table(mine)}")
     return 0
 
 
