@@ -4,6 +4,7 @@ with --bucket-mib time against bucket size), each drawn as well as tabulated."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ def receivers_table(rows: list[SyncRow]) -> list[str]:
     return lines
 
 
+@functools.cache
 def dense_path_of(name: str) -> str:
     """The dense path a delta path rides on, what it must beat: its Backend's `dense_path` (broadcast for
     a path the registry cannot name)."""

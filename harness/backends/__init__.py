@@ -35,10 +35,6 @@ class RankBackend(Backend):
         """The trainer's side of the path for `request` (`sender_options`: what `build_with` was given
         for it, e.g. the address the ranks reach the trainer at)."""
 
-    def receiver_for(self, request: DeployRequest) -> str:
-        """The receiver the ranks run for `request` (a path whose receiver depends on it overrides this)."""
-        return self.receiver_path
-
     def build(self, request: DeployRequest) -> Deployment:
         return self.build_with(RankDeployment, request)
 
@@ -53,7 +49,7 @@ class RankBackend(Backend):
         goes to it) and `sender_options` to `make_sender`."""
         return deployment_cls(
             sender=self.make_sender(request, **(sender_options or {})),
-            receiver_path=self.receiver_for(request),
+            receiver_path=self.receiver_path,
             n_receivers=request.n_receivers,
             spec=request.spec,
             engine=request.engine,

@@ -31,6 +31,7 @@ from harness.faults import engines as fault_engines
 from harness.faults.injectors import (
     COMMIT_FAIL_DIR_ENV,
     PRIVATE_SHM_ENV,
+    TRAINER_PROCESS,
     Fault,
     FaultContext,
     PointNotApplicable,
@@ -250,7 +251,7 @@ def run_cell(
     ):
         return run_cell_in_private_shm(backend_name, fault_kind, seed, workdir, engine, timeout_s, point)
     fault = FAULTS[fault_kind]()
-    if fault.family == "trainer-process":
+    if fault.family == TRAINER_PROCESS:
         raise ValueError(
             f"{fault_kind} kills the trainer itself: its cell is harness.faults.trainer_kill's "
             "(harness.faults.matrix.run_matrix_cell picks the cell of any kind)"
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fault",
         required=True,
-        choices=sorted(k for k, f in FAULTS.items() if f.family != "trainer-process"),
+        choices=sorted(k for k, f in FAULTS.items() if f.family != TRAINER_PROCESS),
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", required=True)

@@ -107,6 +107,10 @@ class PointNotApplicable(Exception):
     """The named point does not exist in this push (no 'between two units' where one unit moved)."""
 
 
+#: The family of a fault that kills the trainer itself: its cell runs the trainer in a child process.
+TRAINER_PROCESS = "trainer-process"
+
+
 class Fault(abc.ABC):
     """One kind of fault. `applies` gives the reason it cannot run here (None: it can)."""
 
@@ -391,7 +395,7 @@ class TrainerKill(Fault):
     pushes land bit for bit."""
 
     kind = "trainer-kill"
-    family = "trainer-process"
+    family = TRAINER_PROCESS
 
     def points(self, caps):
         return tuple(READ_POINTS)

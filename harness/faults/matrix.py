@@ -8,6 +8,7 @@ from pathlib import Path
 
 from harness.api import Backend, Capabilities
 from harness.faults.cell import CellResult, run_cell
+from harness.faults.injectors import TRAINER_PROCESS
 from harness.faults.kinds import FAULTS
 from harness.faults.trainer_kill import run_trainer_kill_cell
 
@@ -24,7 +25,7 @@ def run_matrix_cell(
     point: str | None = None,
 ) -> CellResult:
     """Run fault `kind` against `backend` at `point` (None: the seed draws one) and judge the cell."""
-    if FAULTS[kind].family == "trainer-process":
+    if FAULTS[kind].family == TRAINER_PROCESS:
         return run_trainer_kill_cell(backend_name, seed, workdir, engine, timeout_s, point)
     return run_cell(
         backend, backend_name, kind, seed, workdir, engine=engine, timeout_s=timeout_s, caps=caps, point=point

@@ -294,18 +294,9 @@ class RankProcess:
         pipe included: a call that cannot get the pipe in time raises RankBusy, naming the call that holds
         it; a rank that does not answer in time is killed (stacks dumped) and the call raises RankFailure.
         The replies of calls sent before it (`begin`) are read first, in the order they were sent."""
-        timeout = timeout or self.timeout
-        deadline = time.monotonic() + timeout
-        if not self._lock.acquire(timeout):
-            raise RankBusy(self._busy_message(op, timeout))
-        try:
-            self._settle(None, (op, timeout, deadline))
-            self._check_usable(op, timeout, deadline)
-            with self._running(op):
-                self._send(op, tensors, wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
-                return self._reply(op, deadline - time.monotonic())
-        finally:
-            self._lock.release()
+        with self._turn(op, timeout) as deadline, self._running(op):
+            self._send(op, tensors, wire.dumps({"op": op, "args": args, "tensors": tensors is not None}))
+            return self._reply(op, deadline - time.monotonic())
 
     def begin(self, op: str, timeout: float | None = None, **args) -> PendingCall | None:
         """Send `op` (JSON arguments only) and return at once, its reply left on the pipe: the caller does
@@ -316,13 +307,7 @@ class RankProcess:
         header = wire.dumps({"op": op, "args": args, "tensors": False})
         if len(header) > BEGIN_MAX_BYTES:
             return None
-        timeout = timeout or self.timeout
-        deadline = time.monotonic() + timeout
-        if not self._lock.acquire(timeout):
-            raise RankBusy(self._busy_message(op, timeout))
-        try:
-            self._settle(None, (op, timeout, deadline))
-            self._check_usable(op, timeout, deadline)
+        with self._turn(op, timeout) as deadline:
             pending = PendingCall(self, op, deadline)
             self._in_flight = (op, pending.sent_at)
             _LIVE_RANKS.add(self)
@@ -333,6 +318,21 @@ class RankProcess:
                 raise
             self._sent.append(pending)
             return pending
+
+    @contextlib.contextmanager
+    def _turn(self, op: str, timeout: float | None) -> Iterator[float]:
+        """The rank's pipe for `op`, held until the block ends; yields the call's deadline, `timeout`
+        (default: the rank's) from now. The pipe is waited for within it (else RankBusy, naming who holds
+        it), the replies of calls begun before are read first, and a rank that is broken, or too little
+        time left to wait for a reply, is refused before anything is sent."""
+        timeout = timeout or self.timeout
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout):
+            raise RankBusy(self._busy_message(op, timeout))
+        try:
+            self._settle(None, (op, timeout, deadline))
+            self._check_usable(op, timeout, deadline)
+            yield deadline
         finally:
             self._lock.release()
 

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.replicas < 1:
         parser.error(f"--replicas {args.replicas}: at least 1")
+    if args.plane == "broadcast" and args.replicas < 2:
+        parser.error("--plane broadcast: needs --replicas 2 or more (one replica's plane is p2p)")
     ints = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelShape) if f.type in ("int", int)}
     model = ModelShape(**ints, tied=not args.untied, qkv_bias=args.qkv_bias)
     plan = build_plan(

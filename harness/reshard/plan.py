@@ -151,6 +151,12 @@ def _qkv_rows(model: ModelShape, m: int, rank: int) -> list[Span]:
     return [q, kv, kv]
 
 
+def world_rank(n_trainers: int, n_engines: int, role: str, rank: int, replica: int = 0) -> int:
+    """A rank's place in a resharding world: trainer ranks first, then each engine replica's ranks,
+    replica by replica."""
+    return rank if role == "trainer" else n_trainers + replica * n_engines + rank
+
+
 @dataclasses.dataclass(frozen=True)
 class ReshardPlan:
     trainer: TrainerLayout
@@ -172,8 +178,8 @@ class ReshardPlan:
         return torch.empty((), dtype=DTYPES[self.trainer.dtype]).element_size()
 
     def world_rank(self, role: str, rank: int, replica: int = 0) -> int:
-        """Trainer ranks come first in the world, then each engine replica's ranks, replica by replica."""
-        return rank if role == "trainer" else self.n_trainers + replica * self.n_engines + rank
+        """This plan's rank `rank` of `role` in its world (module function `world_rank`)."""
+        return world_rank(self.n_trainers, self.n_engines, role, rank, replica)
 
     def sends_of(self, trainer_rank: int) -> list[tuple[int, Transfer]]:
         return [(i, t) for i, t in enumerate(self.transfers) if t.src == trainer_rank]

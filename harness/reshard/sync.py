@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from harness.api import ManifestMismatch, TransferError
 from harness.reshard.layout import DTYPES, REPLICATE
-from harness.reshard.plan import ReshardPlan, Transfer
+from harness.reshard.plan import ReshardPlan, Transfer, world_rank
 
 #: Bytes an engine shard holds before a sync fills it: a transfer that never lands shows as 0xA5 bytes
 POISON = 0xA5
@@ -42,10 +42,10 @@ def choose_data_plane(replicas: int) -> tuple[str, str]:
 
 def rank_groups(n_trainers: int, n_engines: int, replicas: int) -> list[tuple[int, int, list[int]]]:
     """[(trainer rank, engine rank, world ranks of its group)]: for every (trainer rank, engine rank) pair,
-    the trainer rank and that engine rank on every replica (world ranks: trainers first, then each replica's
-    engine ranks), in the order every rank of the world must create them."""
+    the trainer rank and that engine rank on every replica (their world ranks), in the order every rank of
+    the world must create them."""
     return [
-        (s, d, [s] + [n_trainers + q * n_engines + d for q in range(replicas)])
+        (s, d, [s] + [world_rank(n_trainers, n_engines, "engine", d, q) for q in range(replicas)])
         for s in range(n_trainers)
         for d in range(n_engines)
     ]
@@ -128,10 +128,7 @@ def send_shards(
         works = [
             _post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan, q) for i, t, q in todo
         ]
-        for (i, t, _), w in zip(todo, works):
-            _wait(w, t, i, "trainer", rank)
-            sent += t.nbytes
-        return sent
+        return _waited([(i, t) for i, t, _ in todo], works, "trainer", rank)
     for k, (i, t, q) in enumerate(todo):
         if before_send is not None:
             before_send(k)
@@ -151,11 +148,7 @@ def broadcast_shards(
     check_local_shards(plan, rank, local)
     todo = plan.sends_of(rank)
     works = [_post_broadcast(_source_bytes(t, local), t, i, "trainer", rank, plan, groups) for i, t in todo]
-    sent = 0
-    for (i, t), w in zip(todo, works):
-        _wait(w, t, i, "trainer", rank)
-        sent += t.nbytes
-    return sent
+    return _waited(todo, works, "trainer", rank)
 
 
 def receive_shards(
@@ -167,7 +160,7 @@ def receive_shards(
     todo = plan.receives_of(rank)
     views = _landing_views(rank, shards, todo)
     works = [_post(dist.irecv, view, t, i, "engine", rank, plan) for (i, t), view in zip(todo, views)]
-    return _landed(todo, works, rank, after_receive)
+    return _waited(todo, works, "engine", rank, after_receive)
 
 
 def receive_broadcast_shards(
@@ -178,7 +171,7 @@ def receive_broadcast_shards(
     todo = plan.receives_of(rank)
     views = _landing_views(rank, shards, todo)
     works = [_post_broadcast(view, t, i, "engine", rank, plan, groups) for (i, t), view in zip(todo, views)]
-    return _landed(todo, works, rank, None)
+    return _waited(todo, works, "engine", rank)
 
 
 def _landing_views(rank: int, shards: EngineShards, todo: list[tuple[int, Transfer]]) -> list[torch.Tensor]:
@@ -195,15 +188,18 @@ def _landing_views(rank: int, shards: EngineShards, todo: list[tuple[int, Transf
     return views
 
 
-def _landed(todo, works, rank: int, after_receive: Callable[[int], None] | None) -> int:
-    """Wait for each posted receive in plan order; the bytes received."""
-    got = 0
+def _waited(
+    todo: list[tuple[int, Transfer]], works, role: str, rank: int, after: Callable[[int], None] | None = None
+) -> int:
+    """Wait for each posted send or receive in plan order; the bytes moved. `after(k)` is called once k
+    of them are done (k = 1, 2, ...)."""
+    moved = 0
     for k, ((i, t), w) in enumerate(zip(todo, works), 1):
-        _wait(w, t, i, "engine", rank)
-        got += t.nbytes
-        if after_receive is not None:
-            after_receive(k)
-    return got
+        _wait(w, t, i, role, rank)
+        moved += t.nbytes
+        if after is not None:
+            after(k)
+    return moved
 
 
 def _post(
