@@ -1,5 +1,5 @@
 """Meta tests: the reshard suite (suites/conformance/test_reshard.py) must fail a plan whose slice offset
-is off by one row, in process and over gloo, and a planner that puts replicated kv heads on the wrong TP
+is off by one row, in process and over gloo (on every engine replica, on either data plane), and a planner that puts replicated kv heads on the wrong TP
 ranks (round robin instead of vLLM's blocks), which only TP 4 and up can show."""
 
 from __future__ import annotations
@@ -52,6 +52,26 @@ def test_gloo_sync_with_a_plan_off_by_one_row_fails_on_the_shifted_shard():
     assert wrong and "first at flat index" in wrong[0], (
         f"no problem names {moved.dest} on engine rank {moved.dst}:\n{run.summary()}"
     )
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("plane", ["p2p", "broadcast"])
+def test_every_replica_is_judged_on_either_data_plane(plane):
+    """The same broken plan carried to 2 engine replicas: every replica's copy of the shifted shard is
+    named (a check that judged replica 0 only, or a plane that left replica 1 out, would not name both)."""
+    broken, moved = _broken_plan()
+    with ReshardWorld(3, 2, replicas=2) as world:
+        run = world.run(job(MODEL, steps=1, plan=broken, plane=plane))
+    assert not run.ok and run.plane == plane, f"{plane}: a sync whose plan moved {moved.describe()} passed"
+    for q in (0, 1):
+        wrong = [
+            p
+            for p in run.problems()
+            if p.startswith(f"engine rank {moved.dst} of replica {q} step 0: {moved.dest}")
+        ]
+        assert wrong and "first at flat index" in wrong[0], (
+            f"{plane}: replica {q}'s {moved.dest} on engine rank {moved.dst} not named:\n{run.summary()}"
+        )
 
 
 def test_suite_fails_an_off_by_one_row_planner(pytester, monkeypatch):
