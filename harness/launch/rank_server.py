@@ -134,6 +134,23 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
         conn.send_bytes(wire.dumps({"ok": False, "error": error_codec.to_json(exc)}))
         raise
     conn.send_bytes(wire.dumps({"ok": True, "result": os.getpid()}))
+    profile_dir = os.environ.get("WEIGHTSYNC_PROFILE_DIR")  # harness.profile_push: where the fixed cost goes
+    if profile_dir:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            _serve(conn, rank, server)
+        finally:
+            profiler.disable()
+            profiler.dump_stats(os.path.join(profile_dir, f"rank{rank}-{os.getpid()}.pstats"))
+        return
+    _serve(conn, rank, server)
+
+
+def _serve(conn, rank: int, server: RankServer) -> None:
+    """Answer the driver's calls until it says exit or goes away."""
     while True:
         try:
             header = wire.loads(conn.recv_bytes())
