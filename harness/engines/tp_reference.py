@@ -1,0 +1,410 @@
+"""The tensor-parallel reference engine: the reshard model (`reshard.layout.ModelShape`) served by M rank
+processes, each holding only its engine shard of every parameter (vLLM's split: `reshard.oracle`), whose
+forward needs all M (an all-reduce after the row-parallel layers, an all-gather of the vocab-parallel
+logits; `tp_model`). So "in-flight requests survive pause/resume" and "no output mixes two versions"
+mean here what they mean for a TP engine.
+
+The leader (rank 0) is this object, in the caller's process: it schedules (continuous batching, the three
+pause modes, versions) and sends each step's batch to the worker ranks (`tp_group`); every rank keeps the
+KV cache of its own kv heads. A commit stages each rank's shards, then swaps them in on every rank at one
+step boundary once all ranks voted they hold the whole version (`tp_rank.TPRank.commit`): committed on
+all ranks or none. Every step gathers each rank's live version: a token is stamped with the version all
+M ranks computed it with, and a step whose ranks disagree fails the engine rather than emit it.
+
+A rank that dies or hangs fails the engine within the group timeout: in-flight requests end as aborted,
+and every later call raises EngineStateError naming each rank's state. No prefix cache (yet)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import threading
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from harness.api import (
+    Engine,
+    EngineStateError,
+    GenerationRequest,
+    ManifestMismatch,
+    PartialCommitError,
+    PauseMode,
+    RequestStream,
+    TensorSpec,
+    TokenEvent,
+    UnknownTensorError,
+    VersionError,
+    WeightSpec,
+)
+from harness.engines import tiny_lm, tp_model
+from harness.engines.tp_group import WorkerProcesses, join, send_command
+from harness.engines.tp_rank import COMMIT, READ, STAGE, STEP, STOP, cut_shards, rank_main, shard_shapes
+from harness.manifest import dtype_name
+from harness.registry import load_object
+from harness.reshard.gather import gather_full
+from harness.reshard.layout import DTYPES, ModelShape, engine_layout
+
+#: The served model: GQA with kv heads replicated at TP 4, a vocabulary the padding does not fill
+#: (100 of 128 rows), head_dim = hidden / heads so tiny_lm computes the same model in one process
+TP_MODEL = ModelShape(
+    vocab=100, hidden=16, heads=4, kv_heads=2, head_dim=4, intermediate=24, layers=2, tied=False
+)
+RANK_IMPL = "harness.engines.tp_rank:TPRank"
+
+
+@dataclasses.dataclass
+class _Running:
+    stream: RequestStream
+    seq: int
+    tokens: list[int]  # prompt + generated
+    generated: int = 0
+    prefilled: bool = False  # every rank holds this request's KV cache
+
+
+class TPReferenceEngine(Engine):
+    reports_logprobs = True
+
+    def __init__(
+        self,
+        shape: ModelShape = TP_MODEL,
+        tp: int = 2,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_batch: int = 8,
+        timeout_s: float = 30.0,
+        start_within_s: float = 120.0,
+        idle_s: float = 3600.0,
+        rank_impl: str = RANK_IMPL,
+    ):
+        self.shape, self.tp, self.dtype, self.max_batch, self.timeout_s = (
+            shape,
+            tp,
+            dtype,
+            max_batch,
+            timeout_s,
+        )
+        self.layout = engine_layout(shape, tp)
+        self._spec = {n: TensorSpec(s, DTYPES[dtype]) for n, s in shape.checkpoint_shapes().items()}
+        self._shard_shapes = shard_shapes(self.layout, dtype)
+        self.workers = WorkerProcesses(
+            tp,
+            rank_main,
+            (dataclasses.asdict(shape), dtype, seed, rank_impl, idle_s),
+            timeout_s,
+            start_within_s,
+            prefix=f"tp-{uuid.uuid4().hex}",
+        )
+        try:
+            self._pg = join(self.workers.info, self.workers.store)
+            self.rank = load_object(rank_impl)(0, tp, shape, dtype, seed, self._pg)
+        except BaseException:
+            self.workers.close(0)
+            raise
+        self._version = 0
+        self._failed: str | None = None
+        self._lock = threading.RLock()  # held by every step, commit and read: one command at a time
+        self._cond = threading.Condition(self._lock)
+        # callers (pause, commit, submit, ...) go before the scheduler's next step (locks are not fair)
+        self._turn = threading.Condition()
+        self._callers = 0
+        self._waiting: collections.deque[_Running] = collections.deque()
+        self._running: list[_Running] = []
+        self._drop: list[int] = []  # finished requests whose KV caches the ranks free at the next step
+        self._seq = itertools.count()
+        self._paused = False
+        self._drain_below: int | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="tp-reference-leader", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def _priority(self):
+        with self._turn:
+            self._callers += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._turn:
+                self._callers -= 1
+                self._turn.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # ------------------------------------------------------------------ the group
+    def _command(self, op: str, payload, outgoing=None):
+        """Send `op` to every rank and run the leader's part (the lock held); a failure fails the engine."""
+        self._refuse_if_failed()
+        try:
+            send_command(self._pg, op, payload)
+            return self.rank.serve(op, payload, outgoing)
+        except Exception as exc:  # the group is out of step now: nothing can go on
+            self._fail(f"{op} failed on the leader: {type(exc).__name__}: {str(exc)[:300]}")
+            raise EngineStateError(self._failed) from exc
+
+    def _fail(self, why: str) -> None:
+        """Fail the engine (the lock held): in-flight requests end aborted, later calls are refused."""
+        # a killed rank's sockets close before it is reaped: give its exit 2 s to show in the message
+        self._failed = f"TP engine ({self.tp} ranks) failed: {why}; {self.workers.describe(settle_s=2.0)}"
+        self._abort_all()
+        self._cond.notify_all()
+
+    def _refuse_if_failed(self) -> None:
+        if self._failed is not None:
+            raise EngineStateError(self._failed)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed (a rank died or hung, a step's ranks disagreed), or None."""
+        return self._failed
+
+    def rank_pids(self) -> list[int]:
+        """The worker ranks' pids (rank 1 first), for the caller's leak checks and fault tests."""
+        return [p.pid for p in self.workers.procs]
+
+    # ------------------------------------------------------------------ Engine: state
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def weight_spec(self) -> dict[str, TensorSpec]:
+        return dict(self._spec)
+
+    @property
+    def is_paused(self) -> bool:
+        with self._priority():
+            return self._paused
+
+    @property
+    def max_running_requests(self) -> int:
+        return self.max_batch
+
+    def model_config(self) -> dict | None:
+        try:
+            return tiny_lm.hf_config(tp_model.tiny_lm_config(self.shape, self.dtype))
+        except ValueError:  # a shape tiny_lm (and so this config) does not describe
+            return None
+
+    def read_shards(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's live shards, rank 0 first ({live name: shard}; tied names left out)."""
+        with self._priority():
+            return self._command(READ, {"shapes": self._shard_shapes})
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """The committed version gathered from every rank's shards (`reshard.gather`): copies of a
+        replicated tensor that differ between ranks are refused, naming the rank."""
+        return gather_full(self.layout, self.read_shards())
+
+    # ------------------------------------------------------------------ Engine: requests
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        request.check(self.shape.vocab)
+        stream = RequestStream(request)
+        with self._priority():
+            if self._stopped:
+                raise EngineStateError("engine is shut down")
+            self._refuse_if_failed()
+            self._waiting.append(_Running(stream, next(self._seq), list(request.prompt_token_ids)))
+            self._cond.notify_all()
+        return stream
+
+    def abort_requests(self, request_ids) -> int:
+        wanted = set(request_ids)
+        with self._priority():
+            hit = [r for r in [*self._running, *self._waiting] if r.stream.request.request_id in wanted]
+            self._end_aborted(hit)
+            self._running = [r for r in self._running if r not in hit]
+            self._waiting = collections.deque(r for r in self._waiting if r not in hit)
+            self._cond.notify_all()
+        return len(hit)
+
+    def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
+        """vLLM's modes (Engine.pause). clear_cache clears nothing more: there is no prefix cache, and a
+        kept request's own KV cache is what it resumes from."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be abort, wait or keep, got {mode!r}")
+        with self._priority():
+            self._refuse_if_failed()
+            if mode == "abort":
+                self._paused = True
+                self._abort_all()
+            elif mode == "wait":
+                self._drain_below = next(self._seq)  # in flight now finishes; later ones queue
+                self._cond.notify_all()
+                # bounded: each step is bounded by the group timeout, and a failure ends every request
+                self._cond.wait_for(lambda: self._failed or not self._in_flight_below(self._drain_below))
+                self._drain_below = None
+                self._refuse_if_failed()
+                self._paused = True
+            else:
+                self._paused = True
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        with self._priority():
+            self._refuse_if_failed()
+            self._paused = False
+            self._cond.notify_all()
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to reset: the engine keeps no prefix cache."""
+
+    # ------------------------------------------------------------------ Engine: commit
+    def check_update(self, names, version: int) -> None:
+        """The base checks, plus: the sources of a fused parameter (q, k, v; gate, up) come together."""
+        names = set(names)
+        super().check_update(names, version)
+        for p in self.layout.params:
+            sent = [s for s in p.sources if s in names]
+            if sent and len(sent) < len(p.sources):
+                missing = [s for s in p.sources if s not in names]
+                raise ManifestMismatch(
+                    f"version {version}: {sent[0]!r} is part of {p.name!r}; {missing} must be sent with it"
+                )
+
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        unknown = sorted(n for n in tensors if n not in self._spec)
+        if unknown:
+            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]}")
+        for name, t in tensors.items():
+            s = self._spec[name]
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise ManifestMismatch(
+                    f"version {version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
+                    f"engine holds {s.shape} {dtype_name(s.dtype)}"
+                )
+
+    def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Cut each rank's shards of `tensors` (the oracle's cut), stage them on every rank, then commit
+        on all of them at once (`commit_staged`)."""
+        self.check_update(tensors.keys(), version)
+        self._check_tensors(tensors, version)
+        full = {n: t.detach().cpu() for n, t in tensors.items()}
+        per_rank = [cut_shards(self.layout, full, r) for r in range(self.tp)]
+        with self._priority():
+            if version <= self._version:  # re-checked: another commit may have landed meanwhile
+                raise VersionError(f"version {version} is not newer than the committed {self._version}")
+            names = list(per_rank[0])
+            shapes = [{n: list(s[n].shape) for n in names} for s in per_rank]
+            self._command(STAGE, {"version": version, "names": names, "shapes": shapes}, per_rank)
+            self.commit_staged(version, names)
+
+    def commit_staged(self, version: int, names: list[str]) -> None:
+        """Commit `version` on every rank: each votes whether it staged all of `names` (live names) for it
+        (`TPRank.stage`, whoever delivered them); all yes: every rank swaps at this step boundary; any no:
+        every rank drops what it staged, and PartialCommitError names who lacked what."""
+        with self._priority():
+            votes = self._command(COMMIT, {"version": version, "names": names})
+            if not all(v[0] for v in votes):
+                lacking = [
+                    f"rank {r}: staged version {v[1]} with {v[2]} of {len(names)} shards, live version {v[3]}"
+                    for r, v in enumerate(votes)
+                    if not v[0]
+                ]
+                raise PartialCommitError(
+                    f"version {version} committed on no rank: {'; '.join(lacking)}", [v[3] for v in votes]
+                )
+            self._version = version
+            self._cond.notify_all()
+
+    def shutdown(self) -> None:
+        with self._priority():
+            if not self._stopped and self._failed is None:
+                with contextlib.suppress(EngineStateError):
+                    send_command(self._pg, STOP, None)
+            self._stopped = True
+            self._abort_all()
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+        self.workers.close(within_s=10)
+
+    # ------------------------------------------------------------------ scheduler
+    def _end_aborted(self, requests) -> None:
+        for r in requests:
+            r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
+            self._drop.append(r.seq)
+
+    def _abort_all(self) -> None:
+        self._end_aborted([*self._running, *self._waiting])
+        self._running.clear()
+        self._waiting.clear()
+
+    def _in_flight_below(self, seq: int | None) -> bool:
+        return seq is not None and any(r.seq < seq for r in [*self._running, *self._waiting])
+
+    def _runnable(self) -> bool:
+        if self._stopped:
+            return True
+        if self._failed is not None:
+            return False
+        if self._drain_below is not None:
+            return self._in_flight_below(self._drain_below)
+        return not self._paused and bool(self._running or self._waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._turn:
+                self._turn.wait_for(lambda: self._callers == 0)
+            with self._cond:
+                self._cond.wait_for(self._runnable)
+                if self._stopped:
+                    return
+                with contextlib.suppress(EngineStateError):  # _command failed the engine and says why
+                    self._step()
+                self._cond.notify_all()
+
+    def _step(self) -> None:
+        """One continuous-batching step on every rank: admit, then one token for each running request."""
+        limit = self._drain_below
+        while self._waiting and len(self._running) < self.max_batch:
+            if limit is not None and self._waiting[0].seq >= limit:
+                break
+            self._running.append(self._waiting.popleft())
+        batch = [r for r in self._running if limit is None or r.seq < limit]
+        entries = [[r.seq, r.tokens if not r.prefilled else r.tokens[-1:], not r.prefilled] for r in batch]
+        drop, self._drop = self._drop, []
+        logits, versions = self._command(STEP, {"batch": entries, "drop": drop})
+        if any(v != self._version for v in versions):
+            self._fail(
+                f"a step's ranks computed with versions {versions}, the leader committed {self._version}"
+            )
+            return
+        for r, lg in zip(batch, logits, strict=True):
+            r.prefilled = True
+            self._emit(r, lg)
+
+    def _emit(self, r: _Running, logits: torch.Tensor) -> None:
+        token = int(torch.argmax(logits))
+        r.tokens.append(token)
+        r.generated += 1
+        req = r.stream.request
+        finish = (
+            "stop" if token in req.stop_token_ids else "length" if r.generated >= req.max_tokens else None
+        )
+        logprobs = torch.log_softmax(logits, dim=-1)
+        top = None
+        if req.logprobs:
+            values, ids = torch.topk(logprobs, min(req.logprobs, logprobs.numel()))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        r.stream.push(
+            TokenEvent(
+                req.request_id, r.generated - 1, token, self._version, finish, float(logprobs[token]), top
+            )
+        )
+        if finish:
+            self._running.remove(r)
+            self._drop.append(r.seq)
+
+
+def make_engine(spec: WeightSpec | None = None, tp: int = 2) -> TPReferenceEngine:
+    """Engine factory: TP_MODEL over `tp` ranks; a `spec` naming anything but the model's tensors is refused
+    (the TP engine serves one model, it holds no extra buffers)."""
+    engine_spec = {n: TensorSpec(s, torch.float32) for n, s in TP_MODEL.checkpoint_shapes().items()}
+    extra = {n: s for n, s in (spec or {}).items() if engine_spec.get(n) != s}
+    if extra:
+        raise ManifestMismatch(f"the TP engine serves only its model's tensors; not {sorted(extra)[:5]}")
+    return TPReferenceEngine(tp=tp)
