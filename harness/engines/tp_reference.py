@@ -320,7 +320,8 @@ class TPReferenceEngine(Engine):
             self._abort_all()
             self._cond.notify_all()
         self._thread.join(timeout=10)
-        self.workers.close(within_s=10)
+        # a failed group's ranks may never read STOP (one hung, or waiting on a peer that is gone)
+        self.workers.close(within_s=0 if self._failed else 10)
 
     # ------------------------------------------------------------------ scheduler
     def _end_aborted(self, requests) -> None:
