@@ -19,9 +19,9 @@ from rich.console import Console
 
 #: The torchrun launch: it tests the launcher with BroadcastBackend, whatever is selected.
 BROADCAST_LAUNCHER_TESTS = ("test_torchrun.py",)
-#: Tests that bring their own ranks over gloo and use no selected backend (the resharded sync): run once,
-#: in the broadcast column, like the launcher tests.
-SELF_CONTAINED_TESTS = ("test_reshard.py",)
+#: Tests that bring their own ranks over gloo and use no selected backend (the resharded sync, the TP
+#: engine): run once, in the broadcast column, like the launcher tests.
+SELF_CONTAINED_TESTS = ("test_reshard.py", "test_tp_engine.py")
 #: The column of the tests that exercise no selected backend (the two kinds above).
 HOME_COLUMN = "broadcast"
 

@@ -36,6 +36,7 @@ INVARIANTS: dict[str, str] = {
     "test_torchrun": "broadcast rank code under torchrun",
     "test_reshard": "1 bitwise per TP shard (FSDP2/DTensor shards in, plan's minimum bytes)",
     "test_deploy": "deploys with what the backend claims (receivers, buckets, GPU)",
+    "test_tp_engine": "4+6 TP engine: every rank on one version, forward equals one process, pause/resume",
 }
 
 #: What the leading numbers of INVARIANTS' names refer to: the invariants of docs/architecture.md

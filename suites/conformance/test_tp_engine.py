@@ -253,6 +253,7 @@ def test_stale_versions_and_partial_fused_groups_are_refused(engines):
     assert engine.weight_version == version
 
 
+@pytest.mark.not_quick  # 1.1 s
 def test_an_update_committed_mid_stream_stamps_each_token_with_the_one_version_all_ranks_ran(engines):
     """A commit lands between two steps of running requests (no pause): each token is stamped with one
     version, the stamps of a request never go back, and every token equals the single-process model's
@@ -334,6 +335,7 @@ def test_pause_keep_freezes_requests_through_a_commit_and_resumes_them_over_thei
 
 # ------------------------------------------------------------------------------------------ rank faults
 @pytest.mark.serial
+@pytest.mark.not_quick  # 1.2 s killed, 5.2 s stopped (the group timeout)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_dead_or_hung_rank_fails_the_engine_in_bounded_time_naming_it(sig):
     """Rank 1 SIGKILLed (its sockets close) or SIGSTOPped (it never answers) mid-generation: every request
