@@ -314,8 +314,10 @@ class TPReferenceEngine(Engine):
     def shutdown(self) -> None:
         with self._priority():
             if not self._stopped and self._failed is None:
-                with contextlib.suppress(EngineStateError):
+                try:
                     send_command(self._pg, STOP, None)
+                except RuntimeError as exc:  # gloo's: a rank went meanwhile; close() kills the rest
+                    self._failed = f"TP engine ({self.tp} ranks): STOP not delivered: {str(exc)[:200]}"
             self._stopped = True
             self._abort_all()
             self._cond.notify_all()
