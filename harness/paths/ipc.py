@@ -103,6 +103,16 @@ def open_cuda_handle(h: JSON) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}").set_(storage)
 
 
+def reuse_handles_enabled() -> bool:
+    """Whether CUDA IPC handles are kept across syncs (WEIGHTSYNC_IPC_REUSE_HANDLES=0: opened anew)."""
+    return os.environ.get("WEIGHTSYNC_IPC_REUSE_HANDLES", "1") != "0"
+
+
+def _handle_key(h: JSON) -> tuple:
+    """What names one mapping: the allocation's handle and where the storage lies in it."""
+    return (h.get("device"), h.get("handle"), h.get("offset"), h.get("size"))
+
+
 def _reserve(shm: shared_memory.SharedMemory, name: str) -> None:
     """Back every page of a new segment now: on a full /dev/shm this raises, where writing into a
     sparse mapping would kill the trainer with SIGBUS."""
@@ -123,6 +133,13 @@ class IpcSender(Sender):
         self._cuda_buffers: list[torch.Tensor] = []
         self._token: torch.Tensor | None = None  # in place: the sync's token, on the GPU, kept across syncs
         self._shared: list[torch.UntypedStorage] = []  # in place: the trainer's storages, held until complete
+        # in place: each storage's handle, kept across syncs while the storage is (held here, so its memory is
+        # never another storage's): a trainer's weights are updated in place, so the next sync shares the same
+        # storages, and sharing one again costs a new IPC event and ref-count slot here and their opening in
+        # every receiver (WEIGHTSYNC_IPC_REUSE_HANDLES=0: shared anew every sync, as before)
+        self._handles: dict[tuple[int, int], tuple[torch.UntypedStorage, JSON]] = {}
+        self._token_handle: JSON | None = None
+        self.reuse_handles = reuse_handles_enabled()
         #: what happened to kept segments between syncs, by another process (newest last): diagnose() says it
         self.damaged: list[str] = []
 
@@ -193,11 +210,25 @@ class IpcSender(Sender):
             placed.append([k, offset])
         if self._token is None:
             self._token = torch.zeros(TOKEN_BYTES, dtype=torch.uint8, device=self.device)
+            self._token_handle = cuda_handle(self._token)
         self._shared = storages  # none may be freed while a receiver maps it
-        refs = {"token": cuda_handle(self._token), "storages": [cuda_handle(st) for st in storages]}
+        token_handle = self._token_handle if self.reuse_handles else cuda_handle(self._token)
+        refs = {"token": token_handle, "storages": self._handles_of(storages)}
         self._token.copy_(token_t)
         torch.cuda.synchronize(self.device)  # the digests, and the token, are there before any receiver looks
         return {**refs, "tensors": placed}
+
+    def _handles_of(self, storages: list[torch.UntypedStorage]) -> list[JSON]:
+        """Each storage's handle: the one it was shared with before where it is still the storage kept for
+        that address and size, else shared now. Storages this sync does not name are let go."""
+        if not self.reuse_handles:
+            return [cuda_handle(st) for st in storages]
+        kept = {}
+        for st in storages:
+            key = (st.data_ptr(), st.nbytes())
+            kept[key] = self._handles.get(key) or (st, cuda_handle(st))
+        self._handles = kept
+        return [kept[(st.data_ptr(), st.nbytes())][1] for st in storages]
 
     def _fit_segments(self, sizes) -> None:
         """One segment of exactly TOKEN_BYTES + size per bucket: kept where it fits and its name still
@@ -255,6 +286,7 @@ class IpcSender(Sender):
 
     def shutdown(self) -> None:
         self.complete(False)
+        self._handles.clear()
         for shm in self._segments:
             _release(shm)  # a segment whose name is gone or taken is abandoned, not unlinked
         self._segments.clear()
@@ -313,6 +345,7 @@ class IpcReceiver(StagingReceiver):
         # instead of a fresh cudaIpcOpenMemHandle. (Not measured without it; with it, opening a sync's
         # 9 handles took 0.4 ms on one H200, 2026-12-03.)
         self._still_mapped: list[torch.Tensor] = []
+        self._held_mappings: dict[tuple, torch.Tensor] = {}  # the same, by what names each (_handle_key)
 
     def engine_device(self) -> torch.device:
         """The device this receiver was given, else the engine's own."""
@@ -386,11 +419,14 @@ class IpcReceiver(StagingReceiver):
         if len(placed) != len(manifest.entries):
             raise ManifestMismatch(f"{len(placed)} placements for {len(manifest.entries)} tensors")
         with phases.phase("open"):
-            head = open_cuda_handle(token_handle)
+            # a handle the last sync mapped is still mapped here: taken as it is (the sender shares a storage
+            # once while it keeps it; its memory stays the trainer's while a receiver holds the mapping)
+            held = self._held_mappings if reuse_handles_enabled() else {}
+            head = held.get(_handle_key(token_handle)) or open_cuda_handle(token_handle)
             if head.numel() < TOKEN_BYTES:
                 raise TransferError(f"CUDA token buffer holds {head.numel()} bytes, expected {TOKEN_BYTES}")
             self._check_token(bytes(head[:TOKEN_BYTES].cpu().numpy()), token, "CUDA token buffer")
-            mapped = [open_cuda_handle(h) for h in storages]
+            mapped = [held.get(_handle_key(h)) or open_cuda_handle(h) for h in storages]
         for e, (k, at) in zip(manifest.entries, placed, strict=True):
             if not 0 <= k < len(mapped) or at < 0 or at + e.nbytes > mapped[k].numel():
                 raise TransferError(
@@ -398,6 +434,9 @@ class IpcReceiver(StagingReceiver):
                     "lies outside the storages shared"
                 )
         self._still_mapped = [head, *mapped]
+        self._held_mappings = {
+            _handle_key(h): t for h, t in zip([token_handle, *storages], self._still_mapped, strict=True)
+        }
         target, verified = self.engine_device(), self._fused_verified()
         entries = list(manifest.entries)
         # every tensor of every storage in one launch, one transfer of the sums
@@ -418,6 +457,7 @@ class IpcReceiver(StagingReceiver):
 
     def _shutdown(self) -> None:
         self._still_mapped = []
+        self._held_mappings = {}
 
     def _fused_verified(self) -> set[str] | None:
         """Where the staged copies are digested while they are made (GPU): the set they go in."""

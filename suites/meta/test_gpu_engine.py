@@ -119,3 +119,23 @@ def test_many_in_place_syncs_hold_no_more_device_memory_than_one(deployment):
         f"trainer holds {torch.cuda.memory_allocated(DEVICE)} bytes after 31 syncs, {after_one} after one"
     )
     assert not bitwise_mismatches(versions[31 % 2], dep.handles[0].engine.read_weights())
+
+
+def test_weights_updated_in_place_are_shared_once_and_delivered_bit_for_bit(deployment):
+    """A trainer's optimizer updates its weights in place: the next sync names the same storages, and the
+    sender hands out the handles it made for them before (no new IPC event or ref-count slot per sync, none
+    opened again in the receiver) while every sync still delivers the bytes as they are now."""
+    dep, weights = deployment
+    push(dep, 1, weights)
+    first = [h for _, h in dep.sender._handles.values()]
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    for v in range(2, 6):
+        for t in weights.values():  # an optimizer step
+            t.add_(torch.randn(t.shape, generator=gen, device=DEVICE).to(t.dtype))
+        push(dep, v, weights)
+        wrong = bitwise_mismatches(weights, dep.handles[0].engine.read_weights())
+        assert not wrong, f"version {v}, updated in place: {wrong[:3]}"
+        again = [h for _, h in dep.sender._handles.values()]
+        assert len(again) == len(first) and all(a is b for a, b in zip(again, first)), (
+            f"version {v}: {sum(a is not b for a, b in zip(again, first))} of {len(first)} storages shared anew"
+        )
