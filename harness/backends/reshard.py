@@ -1,0 +1,236 @@
+"""Built-in backend `reshard`: the resharded sync (harness.reshard) from N FSDP trainer ranks into R
+tensor-parallel engines of M ranks each (issue 39 item 1).
+
+    trainer process (the test's)                      N trainer rank processes (warm forks)
+    ReshardSender: full tensors -> /dev/shm  ------>  each maps it, keeps its Shard(0) rows, sends its
+                                                      planned transfers over the world (gloo)
+    per engine (receiver): a TPReferenceEngine        its M ranks (the leader here, M - 1 warm forks)
+    ReshardReceiver: vLLM's lifecycle         <------ receive straight into fresh shards, stage; finish
+                                                      commits on every rank or none (vote-then-swap)
+
+One gloo world of N + R x M ranks (trainers first, then each engine's ranks: `plan.world_rank`), its store
+hosted here; after a failed sync `recover()` replaces what died or hung and every rank joins a new world.
+The shape comes from the command line (`weightsync certify --backend reshard --trainer-ranks N --tp M`),
+carried to every process of the run as the device is (`RESHARD_ENV`)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import uuid
+
+from harness.api import (
+    DEFAULT_ENGINE,
+    DEFAULT_TIMEOUT_S,
+    Backend,
+    BackendError,
+    Capabilities,
+    Deployment,
+    DeployRequest,
+    EngineHandle,
+    RankInfo,
+    TensorSpec,
+    WeightSpec,
+    WeightSyncError,
+)
+from harness.engines.tp_reference import TP_MODEL, TPReferenceEngine
+from harness.reshard.layout import DTYPES
+from harness.reshard.path import ReshardReceiver, ReshardSender
+from harness.reshard.trainer_ranks import JOIN, TrainerRanks
+
+#: "N,M": trainer ranks and TP size of the run (set by `weightsync ... --trainer-ranks N --tp M` and by
+#: pytest's --weightsync-trainer-ranks / --weightsync-tp), read by `make_backend`
+RESHARD_ENV = "WEIGHTSYNC_RESHARD"
+DEFAULT_TRAINER_RANKS, DEFAULT_TP = 3, 2
+DTYPE = "float32"  # the TP engine's
+#: engines it delivers into: its own TP engine whatever the run names (the engine is half of the path),
+#: so the reference engine's name and the fault cells' wrapper are taken as "the engine under test"
+SERVED_ENGINES = (None, DEFAULT_ENGINE, "harness.faults.engines:make_engine", "reference")
+
+
+def shape_from_env() -> tuple[int, int]:
+    """(trainer ranks, TP size) this run names (RESHARD_ENV), else the defaults (3, 2)."""
+    raw = os.environ.get(RESHARD_ENV)
+    if not raw:
+        return DEFAULT_TRAINER_RANKS, DEFAULT_TP
+    try:
+        n, m = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise BackendError(f"{RESHARD_ENV}={raw!r}: expected 'N,M' (trainer ranks, TP size)") from None
+    return n, m
+
+
+class ReshardDeployment(Deployment):
+    """N trainer rank processes and `replicas` TP engines of `tp` ranks, one gloo world."""
+
+    def __init__(self, n_trainers: int, tp: int, replicas: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
+        self.restarts = 0
+        self.handles: list[EngineHandle] = []
+        self.ranks: TrainerRanks | None = None
+        self._store = None
+        try:
+            self.ranks = TrainerRanks(n_trainers)
+            for i in range(replicas):
+                engine = self._engine()
+                self.handles.append(EngineHandle(ReshardReceiver(engine, f"engine {i}"), engine))
+            self.sender = ReshardSender(self.ranks, TP_MODEL, DTYPE, tp, replicas, timeout_s)
+            self.connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _engine(self) -> TPReferenceEngine:
+        return TPReferenceEngine(tp=self.tp, dtype=DTYPE, timeout_s=self.timeout_s)
+
+    @property
+    def world_size(self) -> int:
+        return self.n_trainers + self.replicas * self.tp
+
+    def connect(self) -> None:
+        """A new world: every trainer rank and every engine rank join it at once (a collective)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
+        world = {
+            "port": self._store.port,
+            "prefix": f"reshard-{uuid.uuid4().hex}",
+            "size": self.world_size,
+            "timeout_s": self.timeout_s,
+        }
+        with cf.ThreadPoolExecutor(max_workers=1 + len(self.handles), thread_name_prefix="join") as pool:
+            futures = [pool.submit(self.ranks.call, JOIN, [world] * self.n_trainers, 2 * self.timeout_s)]
+            futures += [
+                pool.submit(
+                    h.receiver.init_transfer_engine,
+                    {"world": {**world, "base": self.n_trainers + i * self.tp}},
+                )
+                for i, h in enumerate(self.handles)
+            ]
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+
+    def processes(self) -> list[RankInfo]:
+        """Per engine, in the order of `handles`, its TP rank 1 (a worker process; rank 0 leads in the
+        trainer's process): what a receiver fault strikes. Named as the receivers' errors name their engine."""
+        if self.tp < 2:
+            return []
+        return [RankInfo(f"engine {i}", h.engine.rank_pids()[0]) for i, h in enumerate(self.handles)]
+
+    def trainer_processes(self) -> list[RankInfo]:
+        return self.ranks.processes()
+
+    def healthy(self) -> bool:
+        return self.ranks.healthy() and all(self._engine_ok(h.engine) for h in self.handles)
+
+    @staticmethod
+    def _engine_ok(engine: TPReferenceEngine) -> bool:
+        return engine.failure is None and not engine.workers.dead()
+
+    def _replace_failed_engines(self) -> bool:
+        replaced = False
+        for h in self.handles:
+            if not self._engine_ok(h.engine):
+                h.engine.shutdown()
+                h.engine = self._engine()
+                h.receiver.rebind(h.engine)
+                self.restarts += 1
+                replaced = True
+        return replaced
+
+    def recover(self) -> None:
+        """Replace engines and trainer ranks that died or hung, then a new world for everyone."""
+        self._replace_failed_engines()
+        self.restarts += len(self.ranks.restart_unhealthy())
+        for h in self.handles:
+            try:
+                h.receiver.abort_weight_update()
+            except WeightSyncError:
+                pass
+        self.sender.reset_base()
+        self.connect()
+
+    def reset(self, spec: WeightSpec | None = None) -> None:
+        check_spec(spec)
+        replaced = self._replace_failed_engines()
+        for h in self.handles:
+            if not replaced or h.engine.weight_version != 0:
+                h.engine.reset_weights()
+            h.receiver.lifecycle.to("ready")
+        if replaced or not self.ranks.healthy():
+            self.ranks.restart_unhealthy()
+            self.connect()
+        self.sender.reset()
+
+    def close(self) -> None:
+        for h in self.handles:
+            try:
+                h.engine.shutdown()
+            except Exception:  # noqa: BLE001 - the others are closed whatever one does
+                pass
+        if self.ranks is not None:
+            self.ranks.close()
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.shutdown()
+        self._store = None
+
+
+def check_spec(spec: WeightSpec | None) -> None:
+    """The reshard backend serves the TP engine's model: a spec naming anything else is refused."""
+    model = {n: TensorSpec(s, DTYPES[DTYPE]) for n, s in TP_MODEL.checkpoint_shapes().items()}
+    extra = sorted(n for n, s in (spec or {}).items() if model.get(n) != s)
+    if extra:
+        raise BackendError(f"the reshard backend serves the TP engine's model only; not {extra[:5]}")
+
+
+class ReshardBackend(Backend):
+    """Built-in backend `reshard`: N trainer ranks -> R engines of TP M over one gloo world."""
+
+    name = "reshard"
+    ceiling = "gloo"
+
+    def __init__(
+        self,
+        trainer_ranks: int = DEFAULT_TRAINER_RANKS,
+        tp: int = DEFAULT_TP,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        if trainer_ranks < 1 or tp < 1:
+            raise BackendError(f"reshard: trainer ranks {trainer_ranks} and tp {tp} must be >= 1")
+        try:
+            TP_MODEL.check_tp(tp)
+        except ValueError as exc:
+            raise BackendError(f"reshard --tp {tp}: {exc}") from None
+        self.trainer_ranks, self.tp, self.timeout_s = trainer_ranks, tp, timeout_s
+        self.capabilities = Capabilities(
+            dtypes=frozenset({DTYPES[DTYPE]}),
+            multi_receiver=True,
+            max_receivers=2,  # N + 2 x M processes: what a 2-core, 8 GiB tier holds beside the other paths
+            arbitrary_tensors=False,  # the TP engine serves one model
+        )
+
+    def build(self, request: DeployRequest) -> Deployment:
+        if request.engine not in SERVED_ENGINES:
+            raise BackendError(
+                f"the reshard backend delivers into its own TP reference engine, not {request.engine!r}"
+            )
+        check_spec(request.spec)
+        return ReshardDeployment(self.trainer_ranks, self.tp, request.n_receivers, self.timeout_s)
+
+
+def make_backend() -> ReshardBackend:
+    """The run's shape (RESHARD_ENV: `--trainer-ranks N --tp M`), else 3 trainer ranks into TP 2."""
+    n, m = shape_from_env()
+    return ReshardBackend(n, m)
