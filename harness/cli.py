@@ -286,9 +286,9 @@ def resume_command(argv: list[str], out: Path) -> str:
 
 #: What a resumed certify must share with the run that began the bundle: the same evidence, asked the same way.
 RESUME_KEYS = ("backend", "engine", "receivers", "profile", "sizes_mib", "repeats", "no_bench", "floor")
-RESUME_KEYS += ("no_faults", "xfails_file", "device", "quick")
+RESUME_KEYS += ("no_faults", "xfails_file", "device", "quick", "trainer_ranks", "tp")
 #: A key a bundle of an earlier version did not write: the value its run had (there was no --quick then).
-RESUME_DEFAULTS = {"quick": False}
+RESUME_DEFAULTS = {"quick": False, "trainer_ranks": None, "tp": None}
 
 
 def open_bundle(args: argparse.Namespace, command: str) -> tuple[Path, str]:
@@ -575,6 +575,12 @@ def run_command(args: argparse.Namespace, stop=None) -> int:
     except ValueError as exc:
         console.print(f"[red]usage error:[/] {escape(str(exc))}")
         return 2
+    if (args.trainer_ranks or args.tp) and "reshard" not in (args.backend or []):
+        console.print("[red]usage error:[/] --trainer-ranks and --tp shape the reshard backend: add --backend reshard")
+        return 2
+    from harness.backends.reshard import set_run_shape
+
+    set_run_shape(args.trainer_ranks, args.tp)  # before any backend resolves: every suite's process inherits it
     if args.command == "bench":
         args.backend = args.backend or default_backends(device)
         return bench(args, stop)

@@ -60,6 +60,14 @@ def shape_from_env() -> tuple[int, int]:
     return n, m
 
 
+def set_run_shape(trainer_ranks: int | None, tp: int | None) -> None:
+    """Name the run's shape for this process and every process it starts (the pytest runs of a certify)."""
+    if trainer_ranks is None and tp is None:
+        return
+    n, m = shape_from_env()
+    os.environ[RESHARD_ENV] = f"{trainer_ranks or n},{tp or m}"
+
+
 class ReshardDeployment(Deployment):
     """N trainer rank processes and `replicas` TP engines of `tp` ranks, one gloo world."""
 

@@ -187,6 +187,7 @@ class TPRank:
             moved = receive_shards(plan, self.rank, shards, pg=self.world)
             tied = plan.tied()
             got = {n: t for n, t in shards.tensors.items() if n not in tied}
+            self.check_digests(p["version"], got, p["digests"])
             error = ""
         except Exception as exc:  # noqa: BLE001 - reported to the leader through the gather below
             moved, got, error = 0, None, f"{type(exc).__name__}: {exc}"
@@ -205,6 +206,20 @@ class TPRank:
             [int(h[0]), int(h[1]), bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")]
             for h, t in zip(heads, texts, strict=True)
         ]
+
+    def check_digests(self, version: int, got: Mapping[str, torch.Tensor], entries: list[dict]) -> None:
+        """Raise ManifestMismatch unless every shard received hashes to the manifest's digest for this rank."""
+        from harness.api import ManifestMismatch
+        from harness.manifest import digest
+
+        want = {e["name"]: e["digest"] for e in entries if e["rank"] == self.rank}
+        wrong = [
+            f"{n}: digest {digest(t)}, the manifest says {want.get(n)}"
+            for n, t in got.items()
+            if want.get(n) != digest(t)
+        ]
+        if wrong:
+            raise ManifestMismatch(f"version {version}: engine rank {self.rank}: {'; '.join(wrong[:3])}")
 
     def vote(self, version: int, names: Sequence[str]) -> list[int]:
         """[1 if this rank holds every name of `version` staged and it is newer than its live one, the

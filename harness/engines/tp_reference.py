@@ -332,17 +332,28 @@ class TPReferenceEngine(Engine):
         with self._priority():
             self._command(JOIN_WORLD, world)
 
-    def receive_staged(self, version: int, names: list[str], trainers: int, planner: str) -> list[int]:
+    def receive_staged(
+        self, version: int, names: list[str], trainers: int, planner: str, digests: list[dict]
+    ) -> list[int]:
         """Every rank receives its planned transfers of `version` (checkpoint `names`) from the `trainers`
         trainer ranks over the world and stages them (`TPRank.receive`); the bytes each rank received.
         A rank whose receive failed (a trainer rank gone, a transfer refused) stages nothing on any rank,
-        and TransferError names every such rank and why; the engine keeps serving its committed version."""
+        and TransferError names every such rank and why (ManifestMismatch where each such rank received its
+        bytes and found them unlike the manifest's `digests`); the engine keeps serving its committed version."""
         with self._priority():
-            payload = {"version": version, "names": names, "trainers": trainers, "planner": planner}
+            payload = {
+                "version": version,
+                "names": names,
+                "trainers": trainers,
+                "planner": planner,
+                "digests": digests,
+            }
             outcomes = self._command(RECEIVE, payload)
         failed = [f"TP rank {r}: {text}" for r, (ok, _, text) in enumerate(outcomes) if not ok]
         if failed:
-            raise TransferError(f"version {version} not received: {'; '.join(failed)}")
+            refused = all(text.startswith("ManifestMismatch") for ok, _, text in outcomes if not ok)
+            error = ManifestMismatch if refused else TransferError
+            raise error(f"version {version} not received: {'; '.join(failed)}")
         return [moved for _, moved, _ in outcomes]
 
     def discard_staged(self) -> None:

@@ -32,8 +32,9 @@ from harness.api import (
     WeightSyncError,
 )
 from harness.lifecycle import FAILED, READY, UPDATING, Lifecycle
-from harness.manifest import dtype_name
+from harness.manifest import digest, dtype_name
 from harness.reshard.layout import DTYPES, ModelShape
+from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names, planner_path
 from harness.reshard.trainer_ranks import SEND, TrainerRanks
 
@@ -116,7 +117,28 @@ class ReshardSender(Sender):
             "replicas": self.replicas,
             "planner": self.planner,
         }
-        return {"version": version, "names": names, "trainers": self.ranks.n, "planner": self.planner}
+        manifest = {"version": version, "entries": self.expected_digests(names, tensors)}
+        return {
+            "version": version,
+            "names": names,
+            "trainers": self.ranks.n,
+            "planner": self.planner,
+            "manifest": manifest,
+        }
+
+    def expected_digests(self, names: list[str], tensors: Mapping[str, torch.Tensor]) -> list[JSON]:
+        """[{rank, name, digest}]: what each engine rank's shard of each live parameter must hash to, cut
+        from the full tensors by the oracle (none of the plan's arithmetic): every engine rank checks what
+        it received against its own before it stages anything."""
+        plan = self.plan(names)
+        full = {n: tensors[n].detach().cpu() for n in names}
+        tied = plan.tied()
+        return [
+            {"rank": r, "name": live, "digest": digest(t)}
+            for r in range(self.engines)
+            for live, t in expected_engine_shards(full, plan.engine, r).items()
+            if live not in tied
+        ]
 
     def transmit(self) -> None:
         if self._send is None:
@@ -171,7 +193,7 @@ class ReshardReceiver(Receiver):
     def update_weights(self, update_info: JSON) -> None:
         """Receive the version whatever the engine thinks of it (the trainer ranks send regardless), then
         refuse it, dropping what arrived, if the lifecycle or the engine refuses it."""
-        version, names, trainers, planner = _parse(update_info)
+        version, names, trainers, planner, digests = _parse(update_info)
         refusal: WeightSyncError | None = None
         try:
             self.lifecycle.check_update()
@@ -181,7 +203,8 @@ class ReshardReceiver(Receiver):
         except WeightSyncError as exc:
             refusal = exc
         try:
-            self.received_bytes = self._named(self.engine.receive_staged, version, names, trainers, planner)
+            self.received_bytes = self._named(self.engine.receive_staged, version, names, trainers, planner, digests
+            )
         except WeightSyncError as exc:
             if self.lifecycle.state in (UPDATING, FAILED):
                 self.lifecycle.fail(exc)
@@ -222,8 +245,9 @@ class ReshardReceiver(Receiver):
             raise
 
 
-def _parse(update_info: JSON) -> tuple[int, list[str], int, str]:
-    """(version, names, trainer ranks, planner) of an update_info, or ManifestMismatch saying what is wrong."""
+def _parse(update_info: JSON) -> tuple[int, list[str], int, str, list]:
+    """(version, names, trainer ranks, planner, the manifest's digests) of an update_info, or
+    ManifestMismatch saying what is wrong."""
     if not isinstance(update_info, Mapping):
         raise ManifestMismatch(f"update_info must be a mapping, got {type(update_info).__name__}")
     version, names = update_info.get("version"), update_info.get("names")
@@ -234,4 +258,10 @@ def _parse(update_info: JSON) -> tuple[int, list[str], int, str]:
         raise ManifestMismatch(f"update_info: names must be a list of tensor names, got {names!r}"[:300])
     if not isinstance(trainers, int) or trainers < 1 or not isinstance(planner, str):
         raise ManifestMismatch(f"update_info: trainers {trainers!r} and planner {planner!r} are required")
-    return version, names, trainers, planner
+    manifest = update_info.get("manifest")
+    entries = manifest.get("entries") if isinstance(manifest, Mapping) else None
+    if not isinstance(entries, list) or not all(
+        isinstance(e, Mapping) and {"rank", "name", "digest"} <= set(e) for e in entries
+    ):
+        raise ManifestMismatch(f"update_info: version {version}: no manifest of shard digests")
+    return version, names, trainers, planner, [dict(e) for e in entries]
