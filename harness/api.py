@@ -650,6 +650,9 @@ class Backend(abc.ABC):
     soak: bool = False
     dense_path: str | None = None
     control_receiver: str | None = None
+    #: Where a path delivers into an engine of its own (the resharded sync's TP engine), why: it refuses
+    #: other engine factories, and a suite that needs its own engine (a stalling one) is NOT_SUPPORTED.
+    own_engine: str | None = None
 
     def deploy(
         self,

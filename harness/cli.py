@@ -576,11 +576,15 @@ def run_command(args: argparse.Namespace, stop=None) -> int:
         console.print(f"[red]usage error:[/] {escape(str(exc))}")
         return 2
     if (args.trainer_ranks or args.tp) and "reshard" not in (args.backend or []):
-        console.print("[red]usage error:[/] --trainer-ranks and --tp shape the reshard backend: add --backend reshard")
+        console.print(
+            "[red]usage error:[/] --trainer-ranks and --tp shape the reshard backend: add --backend reshard"
+        )
         return 2
     from harness.backends.reshard import set_run_shape
 
-    set_run_shape(args.trainer_ranks, args.tp)  # before any backend resolves: every suite's process inherits it
+    set_run_shape(
+        args.trainer_ranks, args.tp
+    )  # before any backend resolves: every suite's process inherits it
     if args.command == "bench":
         args.backend = args.backend or default_backends(device)
         return bench(args, stop)

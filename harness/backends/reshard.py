@@ -16,6 +16,7 @@ carried to every process of the run as the device is (`RESHARD_ENV`)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import os
 import uuid
 
@@ -34,7 +35,7 @@ from harness.api import (
     WeightSyncError,
 )
 from harness.engines.tp_reference import TP_MODEL, TPReferenceEngine
-from harness.reshard.layout import DTYPES
+from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.path import ReshardReceiver, ReshardSender
 from harness.reshard.trainer_ranks import JOIN, TrainerRanks
 
@@ -46,6 +47,8 @@ DTYPE = "float32"  # the TP engine's
 #: engines it delivers into: its own TP engine whatever the run names (the engine is half of the path),
 #: so the reference engine's name and the fault cells' wrapper are taken as "the engine under test"
 SERVED_ENGINES = (None, DEFAULT_ENGINE, "harness.faults.engines:make_engine", "reference")
+#: the tied-embedding engine's name (the suites' --weightsync-tied-engine): the same TP engine, its model tied
+TIED_ENGINES = ("harness.engines.reference:make_tied_engine", "reference-tied")
 
 
 def shape_from_env() -> tuple[int, int]:
@@ -68,29 +71,37 @@ def set_run_shape(trainer_ranks: int | None, tp: int | None) -> None:
     os.environ[RESHARD_ENV] = f"{trainer_ranks or n},{tp or m}"
 
 
+@dataclasses.dataclass(frozen=True)
+class RankProcessRef:
+    rank: str
+    pid: int
+
+
 class ReshardDeployment(Deployment):
     """N trainer rank processes and `replicas` TP engines of `tp` ranks, one gloo world."""
 
-    def __init__(self, n_trainers: int, tp: int, replicas: int, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(
+        self, n_trainers: int, tp: int, replicas: int, timeout_s: float, model: ModelShape = TP_MODEL
+    ):
+        self.timeout_s, self.model = timeout_s, model
         self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
         self.restarts = 0
         self.handles: list[EngineHandle] = []
-        self.ranks: TrainerRanks | None = None
+        self.trainer_ranks: TrainerRanks | None = None
         self._store = None
         try:
-            self.ranks = TrainerRanks(n_trainers)
+            self.trainer_ranks = TrainerRanks(n_trainers)
             for i in range(replicas):
                 engine = self._engine()
                 self.handles.append(EngineHandle(ReshardReceiver(engine, f"engine {i}"), engine))
-            self.sender = ReshardSender(self.ranks, TP_MODEL, DTYPE, tp, replicas, timeout_s)
+            self.sender = ReshardSender(self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s)
             self.connect()
         except BaseException:
             self.close()
             raise
 
     def _engine(self) -> TPReferenceEngine:
-        return TPReferenceEngine(tp=self.tp, dtype=DTYPE, timeout_s=self.timeout_s)
+        return TPReferenceEngine(self.model, tp=self.tp, dtype=DTYPE, timeout_s=self.timeout_s)
 
     @property
     def world_size(self) -> int:
@@ -117,7 +128,9 @@ class ReshardDeployment(Deployment):
             "timeout_s": self.timeout_s,
         }
         with cf.ThreadPoolExecutor(max_workers=1 + len(self.handles), thread_name_prefix="join") as pool:
-            futures = [pool.submit(self.ranks.call, JOIN, [world] * self.n_trainers, 2 * self.timeout_s)]
+            futures = [
+                pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, 2 * self.timeout_s)
+            ]
             futures += [
                 pool.submit(
                     h.receiver.init_transfer_engine,
@@ -129,6 +142,17 @@ class ReshardDeployment(Deployment):
             if f.exception() is not None:
                 raise f.exception()
 
+    @property
+    def ranks(self) -> list[RankProcessRef]:
+        """Every rank process of the deployment (trainer ranks, then each engine's worker ranks), as the
+        resource checks count processes (`rank`, `pid`)."""
+        out = [RankProcessRef(f"trainer {i}", p.pid) for i, p in enumerate(self.trainer_ranks.processes())]
+        for i, h in enumerate(self.handles):
+            out += [
+                RankProcessRef(f"engine {i} tp {r}", pid) for r, pid in enumerate(h.engine.rank_pids(), 1)
+            ]
+        return out
+
     def processes(self) -> list[RankInfo]:
         """Per engine, in the order of `handles`, its TP rank 1 (a worker process; rank 0 leads in the
         trainer's process): what a receiver fault strikes. Named as the receivers' errors name their engine."""
@@ -137,10 +161,10 @@ class ReshardDeployment(Deployment):
         return [RankInfo(f"engine {i}", h.engine.rank_pids()[0]) for i, h in enumerate(self.handles)]
 
     def trainer_processes(self) -> list[RankInfo]:
-        return self.ranks.processes()
+        return self.trainer_ranks.processes()
 
     def healthy(self) -> bool:
-        return self.ranks.healthy() and all(self._engine_ok(h.engine) for h in self.handles)
+        return self.trainer_ranks.healthy() and all(self._engine_ok(h.engine) for h in self.handles)
 
     @staticmethod
     def _engine_ok(engine: TPReferenceEngine) -> bool:
@@ -160,7 +184,7 @@ class ReshardDeployment(Deployment):
     def recover(self) -> None:
         """Replace engines and trainer ranks that died or hung, then a new world for everyone."""
         self._replace_failed_engines()
-        self.restarts += len(self.ranks.restart_unhealthy())
+        self.restarts += len(self.trainer_ranks.restart_unhealthy())
         for h in self.handles:
             try:
                 h.receiver.abort_weight_update()
@@ -170,14 +194,14 @@ class ReshardDeployment(Deployment):
         self.connect()
 
     def reset(self, spec: WeightSpec | None = None) -> None:
-        check_spec(spec)
+        check_spec(spec, self.model)
         replaced = self._replace_failed_engines()
         for h in self.handles:
             if not replaced or h.engine.weight_version != 0:
                 h.engine.reset_weights()
             h.receiver.lifecycle.to("ready")
-        if replaced or not self.ranks.healthy():
-            self.ranks.restart_unhealthy()
+        if replaced or not self.trainer_ranks.healthy():
+            self.trainer_ranks.restart_unhealthy()
             self.connect()
         self.sender.reset()
 
@@ -187,17 +211,17 @@ class ReshardDeployment(Deployment):
                 h.engine.shutdown()
             except Exception:  # noqa: BLE001 - the others are closed whatever one does
                 pass
-        if self.ranks is not None:
-            self.ranks.close()
+        if self.trainer_ranks is not None:
+            self.trainer_ranks.close()
         sender = getattr(self, "sender", None)
         if sender is not None:
             sender.shutdown()
         self._store = None
 
 
-def check_spec(spec: WeightSpec | None) -> None:
+def check_spec(spec: WeightSpec | None, shape: ModelShape = TP_MODEL) -> None:
     """The reshard backend serves the TP engine's model: a spec naming anything else is refused."""
-    model = {n: TensorSpec(s, DTYPES[DTYPE]) for n, s in TP_MODEL.checkpoint_shapes().items()}
+    model = {n: TensorSpec(s, DTYPES[DTYPE]) for n, s in shape.checkpoint_shapes().items()}
     extra = sorted(n for n, s in (spec or {}).items() if model.get(n) != s)
     if extra:
         raise BackendError(f"the reshard backend serves the TP engine's model only; not {extra[:5]}")
@@ -208,6 +232,10 @@ class ReshardBackend(Backend):
 
     name = "reshard"
     ceiling = "gloo"
+    own_engine = (
+        "it delivers into its own TP reference engine (harness.engines.tp_reference), whose ranks receive "
+        "the planned shards; the reference engine's name stands for it"
+    )
 
     def __init__(
         self,
@@ -230,12 +258,13 @@ class ReshardBackend(Backend):
         )
 
     def build(self, request: DeployRequest) -> Deployment:
-        if request.engine not in SERVED_ENGINES:
+        if request.engine not in SERVED_ENGINES + TIED_ENGINES:
             raise BackendError(
                 f"the reshard backend delivers into its own TP reference engine, not {request.engine!r}"
             )
-        check_spec(request.spec)
-        return ReshardDeployment(self.trainer_ranks, self.tp, request.n_receivers, self.timeout_s)
+        model = dataclasses.replace(TP_MODEL, tied=request.engine in TIED_ENGINES)
+        check_spec(request.spec, model)
+        return ReshardDeployment(self.trainer_ranks, self.tp, request.n_receivers, self.timeout_s, model)
 
 
 def make_backend() -> ReshardBackend:

@@ -25,6 +25,7 @@ from harness.api import (
     JSON,
     LifecycleError,
     ManifestMismatch,
+    RankFailure,
     Receiver,
     Sender,
     TensorSpec,
@@ -193,17 +194,32 @@ class ReshardReceiver(Receiver):
     def update_weights(self, update_info: JSON) -> None:
         """Receive the version whatever the engine thinks of it (the trainer ranks send regardless), then
         refuse it, dropping what arrived, if the lifecycle or the engine refuses it."""
-        version, names, trainers, planner, digests = _parse(update_info)
         refusal: WeightSyncError | None = None
         try:
             self.lifecycle.check_update()
             self.lifecycle.check_not_failed()
-            self.engine.check_update(names, version)
-            self.lifecycle.check_same_version(version)
         except WeightSyncError as exc:
             refusal = exc
         try:
-            self.received_bytes = self._named(self.engine.receive_staged, version, names, trainers, planner, digests
+            version, names, trainers, planner, digests = _parse(update_info)
+        except ManifestMismatch as exc:  # nothing to receive by: the lifecycle's refusal first
+            if refusal is None:
+                self.lifecycle.fail(exc)
+            raise refusal or exc from None
+        if refusal is None:
+            try:
+                self.engine.check_update(names, version)
+                self.lifecycle.check_same_version(version)
+                if self.lifecycle.version is not None:
+                    raise ManifestMismatch(
+                        f"version {version} was already received in this update: a resharded version "
+                        "arrives whole in one update_weights (every engine rank's shards at once)"
+                    )
+            except WeightSyncError as exc:
+                refusal = exc
+        try:
+            self.received_bytes = self._named(
+                self.engine.receive_staged, version, names, trainers, planner, digests
             )
         except WeightSyncError as exc:
             if self.lifecycle.state in (UPDATING, FAILED):
@@ -236,10 +252,13 @@ class ReshardReceiver(Receiver):
             self.lifecycle.to(READY)
 
     def _named(self, fn, *args):
-        """`fn(*args)`, its error saying which engine raised it (the fault checks look for the name)."""
+        """`fn(*args)`, its error saying which engine raised it (the fault checks look for the name); an
+        engine that failed (a rank died or hung) is a RankFailure: the deployment replaces it."""
         try:
             return fn(*args)
         except WeightSyncError as exc:
+            if getattr(self.engine, "failure", None) is not None and not isinstance(exc, RankFailure):
+                raise RankFailure(f"{self.name}: {exc}") from exc
             if self.name not in str(exc):
                 exc.args = (f"{self.name}: {exc}", *exc.args[1:])
             raise
