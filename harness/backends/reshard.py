@@ -16,6 +16,7 @@ carried to every process of the run as the device is (`RESHARD_ENV`)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import os
 import uuid
@@ -95,6 +96,7 @@ class ReshardDeployment(Deployment):
                 engine = self._engine()
                 self.handles.append(EngineHandle(ReshardReceiver(engine, f"engine {i}"), engine))
             self.sender = ReshardSender(self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s)
+            self.own_engine = ReshardBackend.own_engine
             self.connect()
         except BaseException:
             self.close()
@@ -121,6 +123,7 @@ class ReshardDeployment(Deployment):
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=self.timeout_s),
         )
+        self.sender.store_port = self._store.port  # where the world forms (the port-taken cell's target)
         world = {
             "port": self._store.port,
             "prefix": f"reshard-{uuid.uuid4().hex}",
@@ -207,10 +210,8 @@ class ReshardDeployment(Deployment):
 
     def close(self) -> None:
         for h in self.handles:
-            try:
+            with contextlib.suppress(Exception):  # the others are closed whatever one does
                 h.engine.shutdown()
-            except Exception:  # noqa: BLE001 - the others are closed whatever one does
-                pass
         if self.trainer_ranks is not None:
             self.trainer_ranks.close()
         sender = getattr(self, "sender", None)
