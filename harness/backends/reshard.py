@@ -45,6 +45,9 @@ from harness.reshard.trainer_ranks import JOIN, TrainerRanks
 RESHARD_ENV = "WEIGHTSYNC_RESHARD"
 DEFAULT_TRAINER_RANKS, DEFAULT_TP = 3, 2
 DTYPE = "float32"  # the TP engine's
+#: How long forming a world may take (N + R x M processes connecting pairwise: seconds on a loaded 2-core
+#: host, past a fault cell's 4 s timeout); each transfer in it is bounded by the deployment's timeout
+JOIN_S = 30.0
 #: engines it delivers into: its own TP engine whatever the run names (the engine is half of the path),
 #: so the reference engine's name and the fault cells' wrapper are taken as "the engine under test"
 SERVED_ENGINES = (None, DEFAULT_ENGINE, "harness.faults.engines:make_engine", "reference")
@@ -88,13 +91,16 @@ class ReshardDeployment(Deployment):
         self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
         self.restarts = 0
         self.handles: list[EngineHandle] = []
+        #: each engine's receiver (a fault may wrap the one its handle holds for a push)
+        self.receivers: list[ReshardReceiver] = []
         self.trainer_ranks: TrainerRanks | None = None
         self._store = None
         try:
             self.trainer_ranks = TrainerRanks(n_trainers)
             for i in range(replicas):
                 engine = self._engine()
-                self.handles.append(EngineHandle(ReshardReceiver(engine, f"engine {i}"), engine))
+                self.receivers.append(ReshardReceiver(engine, f"engine {i}"))
+                self.handles.append(EngineHandle(self.receivers[-1], engine))
             self.sender = ReshardSender(self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s)
             self.own_engine = ReshardBackend.own_engine
             self.connect()
@@ -121,7 +127,7 @@ class ReshardDeployment(Deployment):
             self.world_size,
             is_master=True,
             wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
+            timeout=datetime.timedelta(seconds=JOIN_S),
         )
         self.sender.store_port = self._store.port  # where the world forms (the port-taken cell's target)
         world = {
@@ -129,11 +135,10 @@ class ReshardDeployment(Deployment):
             "prefix": f"reshard-{uuid.uuid4().hex}",
             "size": self.world_size,
             "timeout_s": self.timeout_s,
+            "join_s": JOIN_S,
         }
         with cf.ThreadPoolExecutor(max_workers=1 + len(self.handles), thread_name_prefix="join") as pool:
-            futures = [
-                pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, 2 * self.timeout_s)
-            ]
+            futures = [pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, JOIN_S + 5)]
             futures += [
                 pool.submit(
                     h.receiver.init_transfer_engine,
@@ -175,11 +180,11 @@ class ReshardDeployment(Deployment):
 
     def _replace_failed_engines(self) -> bool:
         replaced = False
-        for h in self.handles:
+        for h, receiver in zip(self.handles, self.receivers, strict=True):
             if not self._engine_ok(h.engine):
                 h.engine.shutdown()
                 h.engine = self._engine()
-                h.receiver.rebind(h.engine)
+                receiver.rebind(h.engine)
                 self.restarts += 1
                 replaced = True
         return replaced
@@ -188,11 +193,9 @@ class ReshardDeployment(Deployment):
         """Replace engines and trainer ranks that died or hung, then a new world for everyone."""
         self._replace_failed_engines()
         self.restarts += len(self.trainer_ranks.restart_unhealthy())
-        for h in self.handles:
-            try:
-                h.receiver.abort_weight_update()
-            except WeightSyncError:
-                pass
+        for r in self.receivers:
+            with contextlib.suppress(WeightSyncError):  # an engine that cannot abort is replaced
+                r.abort_weight_update()
         self.sender.reset_base()
         self.connect()
 
@@ -202,7 +205,8 @@ class ReshardDeployment(Deployment):
         for h in self.handles:
             if not replaced or h.engine.weight_version != 0:
                 h.engine.reset_weights()
-            h.receiver.lifecycle.to("ready")
+        for r in self.receivers:
+            r.lifecycle.to("ready")
         if replaced or not self.trainer_ranks.healthy():
             self.trainer_ranks.restart_unhealthy()
             self.connect()

@@ -157,17 +157,19 @@ class TPRank:
 
     def join_world(self, w: dict) -> None:
         """Join the resharded sync's world (its store at `w["port"]`, under `w["prefix"]`) as world rank
-        `w["base"]` + this rank: a collective of every trainer and engine rank of the world."""
+        `w["base"]` + this rank: a collective of every trainer and engine rank of the world, given
+        `w["join_s"]` to form; each transfer in it is then bounded by `w["timeout_s"]`."""
         import datetime
 
-        timeout = datetime.timedelta(seconds=w["timeout_s"])
+        join = datetime.timedelta(seconds=w["join_s"])
         if self.world is not None:
             self._broken_worlds.append(self.world)
-        store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
         self.world_rank = w["base"] + self.rank
         self.world = dist.ProcessGroupGloo(
-            dist.PrefixStore(w["prefix"], store), self.world_rank, w["size"], timeout
+            dist.PrefixStore(w["prefix"], store), self.world_rank, w["size"], join
         )
+        self.world_timeout_s = w["timeout_s"]
 
     def receive(self, p: dict) -> list[list]:
         """Receive this rank's planned transfers of version `p["version"]` (checkpoint names `p["names"]`,
@@ -184,7 +186,7 @@ class TPRank:
                     self.shape, p["trainers"], self.m, self.dtype, p["names"], p["planner"]
                 )
             shards = EngineShards(plan, self.rank)
-            moved = receive_shards(plan, self.rank, shards, pg=self.world)
+            moved = receive_shards(plan, self.rank, shards, pg=self.world, timeout_s=self.world_timeout_s)
             tied = plan.tied()
             got = {n: t for n, t in shards.tensors.items() if n not in tied}
             self.check_digests(p["version"], got, p["digests"])

@@ -184,6 +184,8 @@ class TPReferenceEngine(Engine):
     # ------------------------------------------------------------------ Engine: state
     @property
     def weight_version(self) -> int:
+        """The committed version; a failed engine cannot say what its ranks serve (EngineStateError)."""
+        self._refuse_if_failed()
         return self._version
 
     def weight_spec(self) -> dict[str, TensorSpec]:

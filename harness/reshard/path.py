@@ -34,6 +34,7 @@ from harness.api import (
 )
 from harness.lifecycle import FAILED, READY, UPDATING, Lifecycle
 from harness.manifest import digest, dtype_name
+from harness.paths.ipc import sweep_abandoned_segments
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names, planner_path
@@ -69,6 +70,7 @@ class ReshardSender(Sender):
         #: bytes each trainer rank sent in the last transmit (all replicas), rank 0 first
         self.sent_bytes: list[int] = []
         self.planner = planner_path()
+        sweep_abandoned_segments()  # a trainer SIGKILLed mid-push could not remove its version's file
 
     def init(self) -> JSON:
         return {}
@@ -101,7 +103,8 @@ class ReshardSender(Sender):
         self.path = path
         flat = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
         for name, (at, _) in layout.items():
-            t = tensors[name].detach()
+            # read again to move it, as every path reads a version twice (its manifest, then its bytes)
+            t = named_tensors[name].detach()
             n = t.numel() * t.element_size()
             if n:
                 flat[at : at + n].copy_(t.cpu().contiguous().reshape(-1).view(torch.uint8))

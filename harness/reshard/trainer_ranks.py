@@ -65,13 +65,12 @@ class _Rank:
         self.plans: dict[tuple, Any] = {}
 
     def join(self, w: dict) -> None:
-        timeout = datetime.timedelta(seconds=w["timeout_s"])
+        join = datetime.timedelta(seconds=w["join_s"])  # forming the world: every rank connects to every rank
         if self.world is not None:
             self.broken.append(self.world)
-        store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=timeout)
-        self.world = dist.ProcessGroupGloo(
-            dist.PrefixStore(w["prefix"], store), self.rank, w["size"], timeout
-        )
+        store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
+        self.world = dist.ProcessGroupGloo(dist.PrefixStore(w["prefix"], store), self.rank, w["size"], join)
+        self.timeout_s = w["timeout_s"]  # each transfer's bound
 
     def send(self, p: dict) -> int:
         if self.world is None:
@@ -85,7 +84,9 @@ class _Rank:
             )
         full = map_full_tensors(p["path"], p["layout"], p["dtype"])
         local = local_shards({n: full[n] for n in p["names"]}, p["trainers"], self.rank)
-        return send_shards(plan, self.rank, local, replicas=p["replicas"], pg=self.world)
+        return send_shards(
+            plan, self.rank, local, replicas=p["replicas"], pg=self.world, timeout_s=self.timeout_s
+        )
 
 
 def rank_main(conn, rank: int) -> None:
