@@ -653,6 +653,9 @@ class Backend(abc.ABC):
     #: Where a path delivers into an engine of its own (the resharded sync's TP engine), why: it refuses
     #: other engine factories, and a suite that needs its own engine (a stalling one) is NOT_SUPPORTED.
     own_engine: str | None = None
+    #: Where the harness's benchmark cannot measure the path (its payload of any size, which a backend serving
+    #: one model refuses): the import path of the path's own `measure_sync` (harness.bench's signature).
+    measure: str | None = None
 
     def deploy(
         self,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import copy
 import dataclasses
 import os
 import uuid
@@ -172,7 +173,8 @@ class ReshardDeployment(Deployment):
         return self.trainer_ranks.processes()
 
     def healthy(self) -> bool:
-        return self.trainer_ranks.healthy() and all(self._engine_ok(h.engine) for h in self.handles)
+        engines = all(self._engine_ok(h.engine) for h in self.handles)
+        return engines and self.trainer_ranks.answering(self.timeout_s)
 
     @staticmethod
     def _engine_ok(engine: TPReferenceEngine) -> bool:
@@ -236,7 +238,8 @@ class ReshardBackend(Backend):
     """Built-in backend `reshard`: N trainer ranks -> R engines of TP M over one gloo world."""
 
     name = "reshard"
-    ceiling = "gloo"
+    ceiling = "gloo"  # every transfer is a gloo send from a trainer rank to an engine rank
+    measure = "harness.reshard_throughput:measure_sync"  # a fixed model: rows are models of each size
     own_engine = (
         "it delivers into its own TP reference engine (harness.engines.tp_reference), whose ranks receive "
         "the planned shards; the reference engine's name stands for it"
@@ -255,6 +258,7 @@ class ReshardBackend(Backend):
         except ValueError as exc:
             raise BackendError(f"reshard --tp {tp}: {exc}") from None
         self.trainer_ranks, self.tp, self.timeout_s = trainer_ranks, tp, timeout_s
+        self.model = TP_MODEL
         self.capabilities = Capabilities(
             dtypes=frozenset({DTYPES[DTYPE]}),
             multi_receiver=True,
@@ -262,12 +266,22 @@ class ReshardBackend(Backend):
             arbitrary_tensors=False,  # the TP engine serves one model
         )
 
+    def with_model(self, model: ModelShape) -> ReshardBackend:
+        """This backend with its deployments serving `model` (the throughput rows' models of each size)."""
+        try:
+            model.check_tp(self.tp)
+        except ValueError as exc:
+            raise BackendError(f"reshard --tp {self.tp}: {exc}") from None
+        other = copy.copy(self)
+        other.model = model
+        return other
+
     def build(self, request: DeployRequest) -> Deployment:
         if request.engine not in SERVED_ENGINES + TIED_ENGINES:
             raise BackendError(
                 f"the reshard backend delivers into its own TP reference engine, not {request.engine!r}"
             )
-        model = dataclasses.replace(TP_MODEL, tied=request.engine in TIED_ENGINES)
+        model = dataclasses.replace(self.model, tied=request.engine in TIED_ENGINES)
         check_spec(request.spec, model)
         return ReshardDeployment(self.trainer_ranks, self.tp, request.n_receivers, self.timeout_s, model)
 

@@ -26,7 +26,7 @@ from harness.reshard.layout import DTYPES, ModelShape, chunk_rows
 from harness.reshard.plan import plan_for_names
 from harness.reshard.sync import send_shards
 
-JOIN, SEND, STOP = "join", "send", "stop"
+JOIN, SEND, PING, STOP = "join", "send", "ping", "stop"
 #: How long a rank waits for its next command: a trainer that went away closes the pipe first
 IDLE_S = 3600.0
 
@@ -103,7 +103,7 @@ def rank_main(conn, rank: int) -> None:
         if op == STOP:
             break
         try:
-            result = me.join(payload) if op == JOIN else me.send(payload)
+            result = os.getpid() if op == PING else me.join(payload) if op == JOIN else me.send(payload)
             conn.send(("ok", result))
         except Exception as exc:  # noqa: BLE001 - every error goes back to the trainer
             print(
@@ -151,6 +151,17 @@ class TrainerRanks:
 
     def healthy(self) -> bool:
         return not self.unanswered and all(p is not None and p.exitcode is None for p in self.procs)
+
+    def answering(self, timeout_s: float) -> bool:
+        """Every rank answers a ping within `timeout_s` (a rank SIGKILLed a moment ago may not have exited
+        yet: its exit code does not show, its silence does); one that does not is marked for restart."""
+        if not self.healthy():
+            return False
+        try:
+            self.call(PING, [None] * self.n, timeout_s)
+        except Exception:  # noqa: BLE001 - which rank, and how, is what restart_unhealthy acts on
+            return False
+        return True
 
     def restart_unhealthy(self) -> list[int]:
         """Replace every rank that died or did not answer in time; the ranks replaced."""
@@ -202,6 +213,7 @@ class TrainerRanks:
                     break
             except (EOFError, OSError):
                 p.join(timeout=2.0)  # a killed rank's pipe closes before it is reaped
+                self.unanswered.add(r)
                 raise RankFailure(f"{self.describe(r)}: its pipe closed") from None
             if p.exitcode is not None:
                 raise RankFailure(self.describe(r))
