@@ -439,7 +439,8 @@ def bench_plan(backends: list, args: argparse.Namespace) -> list[list[tuple]]:
     sizes = [s << 20 for s in args.sizes_mib]
     plans = []
     for backend in backends:
-        counts = [n for n in args.receivers if n == 1 or backend.capabilities.multi_receiver]
+        caps = backend.capabilities
+        counts = [n for n in args.receivers if n == 1 or caps.multi_receiver and n <= caps.max_receivers]
         plan = []
         for rx in counts:
             fractions = args.delta_fractions if backend.capabilities.delta and rx == counts[0] else [None]
@@ -465,7 +466,10 @@ def bench_backend(
     """One backend's rows as planned (bench_plan), appended to `rows` one by one as each is measured (a stop
     writes those already there) and printed; `name` as the backend was named (the rerun line names it)."""
     from harness.bench import measure_sync
+    from harness.registry import load_object
 
+    if getattr(backend, "measure", None):  # a path the benchmark's payload does not fit measures itself
+        measure_sync = load_object(backend.measure)
     if args.bucket_mib and not backend.capabilities.buckets:
         console.print(f"{backend.name}: no bucket sweep (it does not claim the buckets capability)")
     for rx, fraction, size, mib in plan:

@@ -180,15 +180,16 @@ class ReshardDeployment(Deployment):
     def _engine_ok(engine: TPReferenceEngine) -> bool:
         return engine.failure is None and not engine.workers.dead()
 
-    def _replace_failed_engines(self) -> bool:
-        replaced = False
-        for h, receiver in zip(self.handles, self.receivers, strict=True):
+    def _replace_failed_engines(self) -> list[int]:
+        """Replace every engine whose rank died or hung (or that failed) by a fresh one; their indices."""
+        replaced = []
+        for i, (h, receiver) in enumerate(zip(self.handles, self.receivers, strict=True)):
             if not self._engine_ok(h.engine):
                 h.engine.shutdown()
                 h.engine = self._engine()
                 receiver.rebind(h.engine)
                 self.restarts += 1
-                replaced = True
+                replaced.append(i)
         return replaced
 
     def recover(self) -> None:
@@ -204,8 +205,8 @@ class ReshardDeployment(Deployment):
     def reset(self, spec: WeightSpec | None = None) -> None:
         check_spec(spec, self.model)
         replaced = self._replace_failed_engines()
-        for h in self.handles:
-            if not replaced or h.engine.weight_version != 0:
+        for i, h in enumerate(self.handles):
+            if i not in replaced:  # a fresh engine's state without new processes: the world stays joined
                 h.engine.reset_weights()
         for r in self.receivers:
             r.lifecycle.to("ready")
@@ -240,6 +241,13 @@ class ReshardBackend(Backend):
     name = "reshard"
     ceiling = "gloo"  # every transfer is a gloo send from a trainer rank to an engine rank
     measure = "harness.reshard_throughput:measure_sync"  # a fixed model: rows are models of each size
+    bandwidth_floor = 0.2
+    floor_reason = (
+        "besides the plan's gloo sends, every version is copied once into /dev/shm for the trainer ranks and "
+        "each engine shard is digested twice (the oracle's cut in the trainer, the received shard on its rank): "
+        "0.35 of the verified gloo ceiling fitted on the 2-core VM (3 -> 2 x TP 2, 2026-12-06), floored at 0.2 "
+        "for a loaded one"
+    )
     own_engine = (
         "it delivers into its own TP reference engine (harness.engines.tp_reference), whose ranks receive "
         "the planned shards; the reference engine's name stands for it"
