@@ -32,7 +32,7 @@ from harness.api import (
     UnknownTensorError,
     WeightSyncError,
 )
-from harness.lifecycle import FAILED, READY, UPDATING, Lifecycle
+from harness.lifecycle import FAILED, NEW, READY, UPDATING, Lifecycle
 from harness.manifest import digest, dtype_name
 from harness.paths.ipc import sweep_abandoned_segments
 from harness.reshard.layout import DTYPES, ModelShape
@@ -65,7 +65,8 @@ class ReshardSender(Sender):
         self.ranks, self.model, self.dtype = ranks, model, dtype
         self.engines, self.replicas, self.timeout_s = engines, replicas, timeout_s
         self.spec = {n: TensorSpec(s, DTYPES[dtype]) for n, s in model.checkpoint_shapes().items()}
-        self.path: str | None = None
+        self.path: str | None = None  # the /dev/shm file the trainer ranks read a version from
+        self._flat: torch.Tensor | None = None  # its mapping here
         self._send: dict | None = None
         #: bytes each trainer rank sent in the last transmit (all replicas), rank 0 first
         self.sent_bytes: list[int] = []
@@ -97,22 +98,17 @@ class ReshardSender(Sender):
             tensors[name] = t
             layout[name] = [offset, list(s.shape)]
             offset += t.numel() * t.element_size()
-        path = os.path.join(SHM_DIR, shm_name())
-        with open(path, "wb") as f:
-            f.truncate(max(offset, 1))
-        self.path = path
-        flat = torch.from_file(path, shared=True, size=max(offset, 1), dtype=torch.uint8)
+        flat = self._staging(max(offset, 1))
         for name, (at, _) in layout.items():
             # read again to move it, as every path reads a version twice (its manifest, then its bytes)
             t = named_tensors[name].detach()
             n = t.numel() * t.element_size()
             if n:
                 flat[at : at + n].copy_(t.cpu().contiguous().reshape(-1).view(torch.uint8))
-        del flat
         self._send = {
             "version": version,
             "names": names,
-            "path": path,
+            "path": self.path,
             "layout": layout,
             "dtype": self.dtype,
             "model": dataclasses.asdict(self.model),
@@ -149,11 +145,34 @@ class ReshardSender(Sender):
             raise LifecycleError("transmit before prepare")
         self.sent_bytes = self.ranks.call(SEND, [self._send] * self.ranks.n, self.timeout_s)
 
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """The /dev/shm file a version is written to, mapped: the last one again where it is still there
+        and of this size (a fresh file costs a page fault per page on every sync), else a new one."""
+        if self.path is not None and self._flat is not None and self._flat.numel() == nbytes:
+            try:
+                if os.path.getsize(self.path) == nbytes:
+                    return self._flat
+            except FileNotFoundError:  # removed by someone else since: a new one
+                pass
+        self._unlink()
+        path = os.path.join(SHM_DIR, shm_name())
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        self.path = path
+        self._flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        return self._flat
+
     def complete(self, committed: bool) -> None:
-        self._release()
+        """The file is kept for the next version after a commit (the ranks read it only while sending)."""
+        self._send = None
+        if not committed:
+            self._unlink()
 
     def _release(self) -> None:
         self._send = None
+
+    def _unlink(self) -> None:
+        self._flat = None
         if self.path is not None:
             try:
                 os.unlink(self.path)
@@ -165,7 +184,8 @@ class ReshardSender(Sender):
         return [self.ranks.describe(r) for r in range(self.ranks.n) if not self.ranks.alive(r)]
 
     def shutdown(self) -> None:
-        self._release()
+        self._send = None
+        self._unlink()
 
 
 class ReshardReceiver(Receiver):
@@ -180,8 +200,10 @@ class ReshardReceiver(Receiver):
         self.received_bytes: list[int] = []
 
     def rebind(self, engine) -> None:
+        """A fresh engine (its predecessor failed): nothing of an open update survives it."""
         self.engine = engine
-        self.lifecycle.to(READY if self.lifecycle.state != "new" else "new")
+        if self.lifecycle.state != NEW:
+            self.lifecycle.to(READY)
 
     def init_transfer_engine(self, init_info: JSON) -> None:
         self.lifecycle.check_init(init_info)

@@ -63,6 +63,7 @@ class _Rank:
         self.world: dist.ProcessGroup | None = None
         self.broken: list[dist.ProcessGroup] = []  # a failed gloo group is kept: its teardown may block
         self.plans: dict[tuple, Any] = {}
+        self._mapped: tuple | None = None
 
     def join(self, w: dict) -> None:
         join = datetime.timedelta(seconds=w["join_s"])  # forming the world: every rank connects to every rank
@@ -71,6 +72,14 @@ class _Rank:
         store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
         self.world = dist.ProcessGroupGloo(dist.PrefixStore(w["prefix"], store), self.rank, w["size"], join)
         self.timeout_s = w["timeout_s"]  # each transfer's bound
+
+    def mapped(self, path: str, layout, dtype: str) -> dict[str, torch.Tensor]:
+        """The version's full tensors, mapped (the mapping of the last version again where the trainer
+        wrote this one to the same file, of the same size and layout)."""
+        key = (path, os.path.getsize(path), repr(sorted(layout.items())), dtype)
+        if self._mapped is None or self._mapped[0] != key:
+            self._mapped = (key, map_full_tensors(path, layout, dtype))
+        return self._mapped[1]
 
     def send(self, p: dict) -> int:
         if self.world is None:
@@ -82,7 +91,7 @@ class _Rank:
             plan = self.plans[key] = plan_for_names(
                 model, p["trainers"], p["engines"], p["dtype"], p["names"], p["planner"]
             )
-        full = map_full_tensors(p["path"], p["layout"], p["dtype"])
+        full = self.mapped(p["path"], p["layout"], p["dtype"])
         local = local_shards({n: full[n] for n in p["names"]}, p["trainers"], self.rank)
         return send_shards(
             plan, self.rank, local, replicas=p["replicas"], pg=self.world, timeout_s=self.timeout_s
