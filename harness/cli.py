@@ -582,7 +582,9 @@ def run_command(args: argparse.Namespace, stop=None) -> int:
     except ValueError as exc:
         console.print(f"[red]usage error:[/] {escape(str(exc))}")
         return 2
-    if (args.trainer_ranks or args.tp) and "reshard" not in (args.backend or []):
+    # a factory path may be a reshard backend of someone's (or a broken one the meta tier certifies)
+    reshard_like = [b for b in args.backend or [] if b == "reshard" or ":" in b]
+    if (args.trainer_ranks or args.tp) and not reshard_like:
         console.print(
             "[red]usage error:[/] --trainer-ranks and --tp shape the reshard backend: add --backend reshard"
         )

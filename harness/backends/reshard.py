@@ -245,8 +245,8 @@ class ReshardBackend(Backend):
     floor_reason = (
         "besides the plan's gloo sends, every version is copied once into /dev/shm for the trainer ranks and "
         "each engine shard is digested twice (the oracle's cut in the trainer, the received shard on its rank): "
-        "0.35 of the verified gloo ceiling fitted on the 2-core VM (3 -> 2 x TP 2, 2026-12-06), floored at 0.2 "
-        "for a loaded one"
+        "0.56 of the verified gloo ceiling fitted on the 2-core VM at load average 9-13 (3 -> 2 x TP 2, "
+        "2026-12-06; 0.35 before the /dev/shm file was reused), floored at 0.2 for a loaded one"
     )
     own_engine = (
         "it delivers into its own TP reference engine (harness.engines.tp_reference), whose ranks receive "
