@@ -272,6 +272,7 @@ class ReshardBackend(Backend):
             multi_receiver=True,
             max_receivers=2,  # N + 2 x M processes: what a 2-core, 8 GiB tier holds beside the other paths
             arbitrary_tensors=False,  # the TP engine serves one model
+            trainer_ranks=True,  # N trainer rank processes: the trainer-rank fault cells strike them
         )
 
     def with_model(self, model: ModelShape) -> ReshardBackend:

@@ -346,6 +346,11 @@ class TrainerRankKill(ReceiverKill):
     names_victim = False  # the victim is no receiver: the error must name the trainer rank instead
     must_name = ("trainer rank",)
 
+    def applies_to(self, caps):
+        if not caps.trainer_ranks:
+            return "the backend does not claim 'trainer_ranks' (its trainer is one process)"
+        return None
+
     def applies(self, backend, caps, deployment):
         if not callable(getattr(deployment, "trainer_processes", None)):
             return "the trainer is one process (the deployment has no trainer_processes())"
