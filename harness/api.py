@@ -257,6 +257,9 @@ class Capabilities:
     buckets: bool = (
         False  # the data plane moves a version in units of `Backend.bucket_bytes`, set by deploy()
     )
+    #: the trainer's side is several processes the harness may signal (`Deployment.trainer_processes()`: a
+    #: resharded sync's FSDP ranks), so the trainer-rank fault cells apply
+    trainer_ranks: bool = False
 
     def restricted_by(self, engine: Capabilities) -> Capabilities:
         """What a (backend, engine) pair can do: what both support."""
@@ -272,6 +275,7 @@ class Capabilities:
             interposable=self.interposable,  # a property of the data plane alone
             http_control=self.http_control,  # a property of the control plane alone
             buckets=self.buckets,  # a property of the data plane alone
+            trainer_ranks=self.trainer_ranks,  # a property of the sender alone
         )
 
     def describe(self) -> JSON:
@@ -287,6 +291,7 @@ class Capabilities:
             "interposable": self.interposable,
             "http_control": self.http_control,
             "buckets": self.buckets,
+            "trainer_ranks": self.trainer_ranks,
         }
 
 
@@ -650,6 +655,12 @@ class Backend(abc.ABC):
     soak: bool = False
     dense_path: str | None = None
     control_receiver: str | None = None
+    #: Where a path delivers into an engine of its own (the resharded sync's TP engine), why: it refuses
+    #: other engine factories, and a suite that needs its own engine (a stalling one) is NOT_SUPPORTED.
+    own_engine: str | None = None
+    #: Where the harness's benchmark cannot measure the path (its payload of any size, which a backend serving
+    #: one model refuses): the import path of the path's own `measure_sync` (harness.bench's signature).
+    measure: str | None = None
 
     def deploy(
         self,

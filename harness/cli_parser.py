@@ -27,6 +27,14 @@ FLOOR_HELP = (
     "(repeatable; default: what the backend declares, else its ceiling kind's in harness.bench.DEFAULT_FLOORS; "
     "see docs/performance.md)"
 )
+RESHARD_RANKS_HELP = (
+    "the reshard backend's trainer (FSDP Shard(0)) ranks, each a process sending its rows per the plan "
+    "(default 3; only with --backend reshard)"
+)
+RESHARD_TP_HELP = (
+    "the reshard backend's tensor-parallel ranks per engine, the TP reference engine's M (default 2; it must "
+    "split the engine's model: 1, 2 or 4; only with --backend reshard)"
+)
 BACKEND_HELP = "a built-in path name or pkg.module:factory (repeatable; default: every built-in path)"
 
 CERTIFY_DESCRIPTION = """\
@@ -139,6 +147,13 @@ def add_certify(sub, exits: str) -> None:
         "--weightsync-xfails-file): listed in the report as known, not failing the verdict; one that passes "
         "(fixed upstream) fails it (default: none)",
     )
+    c.add_argument(
+        "--trainer-ranks",
+        type=cli_args.whole(1, "trainer ranks"),
+        default=None,
+        help=RESHARD_RANKS_HELP,
+    )
+    c.add_argument("--tp", type=cli_args.whole(1, "TP ranks"), default=None, help=RESHARD_TP_HELP)
     c.add_argument("--device", default="cpu", type=cli_args.device, help=DEVICE_HELP)
     c.add_argument(
         "--resume",
@@ -198,6 +213,13 @@ def add_bench(sub) -> None:
         "--floor", action="append", default=[], type=cli_args.floor, metavar="PATH=RATIO", help=FLOOR_HELP
     )
     b.add_argument("--out", default="reports", help="the folder the bench bundle is written under")
+    b.add_argument(
+        "--trainer-ranks",
+        type=cli_args.whole(1, "trainer ranks"),
+        default=None,
+        help=RESHARD_RANKS_HELP,
+    )
+    b.add_argument("--tp", type=cli_args.whole(1, "TP ranks"), default=None, help=RESHARD_TP_HELP)
     b.add_argument("--device", default="cpu", type=cli_args.device, help=DEVICE_HELP)
 
 

@@ -143,6 +143,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "variant and engine factories that take a `device` argument build on it",
     )
     group.addoption(
+        "--weightsync-trainer-ranks",
+        type=int,
+        default=None,
+        help="the reshard backend: trainer (FSDP) ranks it sends from (default: $WEIGHTSYNC_RESHARD's, else 3)",
+    )
+    group.addoption(
+        "--weightsync-tp",
+        type=int,
+        default=None,
+        help="the reshard backend: tensor-parallel ranks of each engine (default: $WEIGHTSYNC_RESHARD's, else 2)",
+    )
+    group.addoption(
         "--weightsync-tied-engine",
         default=os.environ.get("WEIGHTSYNC_TIED_ENGINE", "auto"),
         help="engine factory serving a model with tied input/output embeddings, for the tied-head checks "
@@ -408,6 +420,11 @@ def pytest_configure(config: pytest.Config) -> None:
         check_available(set_run_device(config.getoption("--weightsync-device")))
     except ValueError as exc:
         raise pytest.UsageError(f"--weightsync-device: {exc}") from None
+    ranks, tp = config.getoption("--weightsync-trainer-ranks"), config.getoption("--weightsync-tp")
+    if ranks is not None or tp is not None:  # before the reshard backend is resolved: its ranks inherit it
+        from harness.backends.reshard import set_run_shape
+
+        set_run_shape(ranks, tp)
     profile = config.getoption("--weightsync-hypothesis-profile")
     if profile not in HYPOTHESIS_PROFILES:
         raise pytest.UsageError(

@@ -32,6 +32,12 @@ EXTRA_BACKENDS: dict[str, str] = {
     "control": "harness.backends.control:make_backend",
 }
 
+#: Built-in backends run only when named (`--backend reshard`), never in a default selection nor beside it:
+#: the resharded sync brings N trainer rank processes and TP engines of its own (harness/backends/reshard.py).
+NAMED_BACKENDS: dict[str, str] = {
+    "reshard": "harness.backends.reshard:make_backend",
+}
+
 BUILTIN_ENGINES: dict[str, str] = {
     "reference": DEFAULT_ENGINE,
     "reference-tied": "harness.engines.reference:make_tied_engine",
@@ -73,11 +79,12 @@ def resolve_backend(name: str, device: str | None = None) -> Backend:
             f"backend {name!r} has no GPU variant; GPU variants: {sorted(BUILTIN_GPU_BACKENDS)}"
         )
     path = (BUILTIN_GPU_BACKENDS.get(name) if on_gpu else None) or BUILTIN_BACKENDS.get(name)
-    path = path or EXTRA_BACKENDS.get(name, name)
+    path = path or EXTRA_BACKENDS.get(name) or NAMED_BACKENDS.get(name, name)
+    if on_gpu and name in NAMED_BACKENDS:
+        raise BackendError(f"backend {name!r} has no GPU variant yet (its code path runs on gloo)")
     if ":" not in path:
-        raise BackendError(
-            f"unknown backend {name!r}; built-in: {sorted({**BUILTIN_BACKENDS, **EXTRA_BACKENDS})}, or give 'pkg.module:factory'"
-        )
+        known = sorted({**BUILTIN_BACKENDS, **EXTRA_BACKENDS, **NAMED_BACKENDS})
+        raise BackendError(f"unknown backend {name!r}; built-in: {known}, or give 'pkg.module:factory'")
     factory = load_object(path)
     backend = factory(device=device) if on_gpu and takes_device(factory) else factory()
     for attr in ("name", "capabilities", "deploy"):

@@ -28,9 +28,16 @@ from harness.engines.tp_group import (
 )
 from harness.reshard.layout import DTYPES, EngineLayout, ModelShape, engine_layout
 from harness.reshard.oracle import expected_engine_shards
+from harness.reshard.plan import plan_for_names
+from harness.reshard.sync import EngineShards, receive_shards
 
 # the commands a leader sends (tp_reference.TPReferenceEngine) and every rank serves
 STEP, STAGE, COMMIT, DISCARD, READ, STOP = "step", "stage", "commit", "discard", "read", "stop"
+# the resharded sync's (harness.reshard.path): join its world, receive a version's planned transfers from
+# the trainer ranks straight into fresh shards and stage them, start again at version 0
+JOIN_WORLD, RECEIVE, RESET = "join_world", "receive", "reset"
+#: bytes of a rank's error text carried in the receive's all-gather (the leader names every rank's failure)
+ERROR_BYTES = 400
 
 
 def cut_shards(layout: EngineLayout, full: Mapping[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
@@ -56,7 +63,18 @@ class TPRank:
         self.rank, self.m, self.shape, self.dtype, self.pg = rank, m, shape, dtype, pg
         self.layout = engine_layout(shape, m)
         self.comm = GlooCollectives(pg, m)
-        self.live = cut_shards(self.layout, tp_model.init_weights(shape, dtype, seed), rank)
+        self.seed = seed
+        self.world: dist.ProcessGroup | None = None  # the resharded sync's world, once joined
+        self.world_rank: int | None = None
+        self._broken_worlds: list[dist.ProcessGroup] = []  # kept: tearing down a failed gloo group may block
+        self._plans: dict[tuple, object] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Version 0 again (the seeded weights), nothing staged, no KV cache: a fresh engine's state."""
+        self.live = cut_shards(
+            self.layout, tp_model.init_weights(self.shape, self.dtype, self.seed), self.rank
+        )
         self._tie(self.live)
         self.version = 0
         self.staged: dict[str, torch.Tensor] = {}
@@ -91,6 +109,12 @@ class TPRank:
             return self.discard_staged()
         if op == READ:
             return self.read(payload["shapes"])
+        if op == JOIN_WORLD:
+            return self.join_world(payload)
+        if op == RECEIVE:
+            return self.receive(payload)
+        if op == RESET:
+            return self.reset()
         raise ValueError(f"rank {self.rank}: unknown command {op!r}")
 
     def step(self, payload: dict) -> tuple[list[torch.Tensor], list[int]]:
@@ -130,6 +154,74 @@ class TPRank:
         for i, n in enumerate(names):
             self.pg.recv([got[n]], 0, i).wait()
         self.stage(version, got)
+
+    def join_world(self, w: dict) -> None:
+        """Join the resharded sync's world (its store at `w["port"]`, under `w["prefix"]`) as world rank
+        `w["base"]` + this rank: a collective of every trainer and engine rank of the world, given
+        `w["join_s"]` to form; each transfer in it is then bounded by `w["timeout_s"]`."""
+        import datetime
+
+        join = datetime.timedelta(seconds=w["join_s"])
+        if self.world is not None:
+            self._broken_worlds.append(self.world)
+        store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
+        self.world_rank = w["base"] + self.rank
+        self.world = dist.ProcessGroupGloo(
+            dist.PrefixStore(w["prefix"], store), self.world_rank, w["size"], join
+        )
+        self.world_timeout_s = w["timeout_s"]
+
+    def receive(self, p: dict) -> list[list]:
+        """Receive this rank's planned transfers of version `p["version"]` (checkpoint names `p["names"]`,
+        from `p["trainers"]` trainer ranks, planner `p["planner"]`) into fresh shards and stage them; then
+        every rank's outcome, gathered: [[ok, bytes received, error text], ...], rank 0 first. A failed
+        receive stages nothing; the ranks stay in step (the group's own collectives are untouched)."""
+        key = (p["trainers"], tuple(sorted(p["names"])), p["planner"])
+        try:
+            if self.world is None:
+                raise RuntimeError("this rank has joined no resharding world")
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = plan_for_names(
+                    self.shape, p["trainers"], self.m, self.dtype, p["names"], p["planner"]
+                )
+            shards = EngineShards(plan, self.rank)
+            moved = receive_shards(plan, self.rank, shards, pg=self.world, timeout_s=self.world_timeout_s)
+            tied = plan.tied()
+            got = {n: t for n, t in shards.tensors.items() if n not in tied}
+            self.check_digests(p["version"], got, p["digests"])
+            error = ""
+        except Exception as exc:  # noqa: BLE001 - reported to the leader through the gather below
+            moved, got, error = 0, None, f"{type(exc).__name__}: {exc}"
+            print(f"TP rank {self.rank}: receive failed: {error}", file=sys.stderr, flush=True)
+        text = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
+        raw = error.encode()[:ERROR_BYTES]
+        text[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else text[:0]
+        head = torch.tensor([int(got is not None), moved], dtype=torch.int64)
+        heads = self.comm.all_gather(head)
+        texts = self.comm.all_gather(text)
+        if got is not None and all(int(h[0]) for h in heads):
+            self.stage(p["version"], got)
+        else:
+            self.discard_staged()
+        return [
+            [int(h[0]), int(h[1]), bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")]
+            for h, t in zip(heads, texts, strict=True)
+        ]
+
+    def check_digests(self, version: int, got: Mapping[str, torch.Tensor], entries: list[dict]) -> None:
+        """Raise ManifestMismatch unless every shard received hashes to the manifest's digest for this rank."""
+        from harness.api import ManifestMismatch
+        from harness.manifest import digest
+
+        want = {e["name"]: e["digest"] for e in entries if e["rank"] == self.rank}
+        wrong = [
+            f"{n}: digest {digest(t)}, the manifest says {want.get(n)}"
+            for n, t in got.items()
+            if want.get(n) != digest(t)
+        ]
+        if wrong:
+            raise ManifestMismatch(f"version {version}: engine rank {self.rank}: {'; '.join(wrong[:3])}")
 
     def vote(self, version: int, names: Sequence[str]) -> list[int]:
         """[1 if this rank holds every name of `version` staged and it is newer than its live one, the

@@ -36,13 +36,27 @@ from harness.api import (
     RequestStream,
     TensorSpec,
     TokenEvent,
+    TransferError,
     UnknownTensorError,
     VersionError,
     WeightSpec,
 )
 from harness.engines import tiny_lm, tp_model
 from harness.engines.tp_group import WorkerProcesses, join, send_command
-from harness.engines.tp_rank import COMMIT, READ, STAGE, STEP, STOP, cut_shards, rank_main, shard_shapes
+from harness.engines.tp_rank import (
+    COMMIT,
+    DISCARD,
+    JOIN_WORLD,
+    READ,
+    RECEIVE,
+    RESET,
+    STAGE,
+    STEP,
+    STOP,
+    cut_shards,
+    rank_main,
+    shard_shapes,
+)
 from harness.manifest import dtype_name
 from harness.registry import load_object
 from harness.reshard.gather import gather_full
@@ -170,6 +184,8 @@ class TPReferenceEngine(Engine):
     # ------------------------------------------------------------------ Engine: state
     @property
     def weight_version(self) -> int:
+        """The committed version; a failed engine cannot say what its ranks serve (EngineStateError)."""
+        self._refuse_if_failed()
         return self._version
 
     def weight_spec(self) -> dict[str, TensorSpec]:
@@ -309,6 +325,54 @@ class TPReferenceEngine(Engine):
                     f"version {version} committed on no rank: {'; '.join(lacking)}", [v[3] for v in votes]
                 )
             self._version = version
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the resharded sync's engine side
+    def join_world(self, world: dict) -> None:
+        """Every rank joins the resharded sync's world (`TPRank.join_world`): a collective with the trainer
+        ranks, which join at the same time."""
+        with self._priority():
+            self._command(JOIN_WORLD, world)
+
+    def receive_staged(
+        self, version: int, names: list[str], trainers: int, planner: str, digests: list[dict]
+    ) -> list[int]:
+        """Every rank receives its planned transfers of `version` (checkpoint `names`) from the `trainers`
+        trainer ranks over the world and stages them (`TPRank.receive`); the bytes each rank received.
+        A rank whose receive failed (a trainer rank gone, a transfer refused) stages nothing on any rank,
+        and TransferError names every such rank and why (ManifestMismatch where each such rank received its
+        bytes and found them unlike the manifest's `digests`); the engine keeps serving its committed version."""
+        with self._priority():
+            payload = {
+                "version": version,
+                "names": names,
+                "trainers": trainers,
+                "planner": planner,
+                "digests": digests,
+            }
+            outcomes = self._command(RECEIVE, payload)
+        failed = [f"TP rank {r}: {text}" for r, (ok, _, text) in enumerate(outcomes) if not ok]
+        if failed:
+            refused = all(text.startswith("ManifestMismatch") for ok, _, text in outcomes if not ok)
+            error = ManifestMismatch if refused else TransferError
+            raise error(f"version {version} not received: {'; '.join(failed)}")
+        return [moved for _, moved, _ in outcomes]
+
+    def discard_staged(self) -> None:
+        """Every rank drops what it staged."""
+        with self._priority():
+            self._command(DISCARD, None)
+
+    def reset_weights(self) -> None:
+        """A fresh engine's state without new processes: requests ended (aborted), not paused, version 0's
+        seeded weights on every rank, nothing staged, no KV cache (the world joined stays joined)."""
+        with self._priority():
+            self._refuse_if_failed()
+            self._abort_all()
+            self._drop.clear()
+            self._paused, self._drain_below = False, None
+            self._command(RESET, None)
+            self._version = 0
             self._cond.notify_all()
 
     def shutdown(self) -> None:

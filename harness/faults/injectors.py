@@ -337,6 +337,41 @@ class ReceiverStall(_ProcessFault):
         super().heal(ctx)
 
 
+class TrainerRankKill(ReceiverKill):
+    """SIGKILL one of the trainer's own rank processes (an FSDP rank of a resharded sync: the sender is N
+    processes) at a point of the push, struck through the last receiver's call as a receiver fault is."""
+
+    kind = "trainer-rank-kill"
+    control_plane = False
+    names_victim = False  # the victim is no receiver: the error must name the trainer rank instead
+    must_name = ("trainer rank",)
+
+    def applies_to(self, caps):
+        if not caps.trainer_ranks:
+            return "the backend does not claim 'trainer_ranks' (its trainer is one process)"
+        return None
+
+    def applies(self, backend, caps, deployment):
+        if not callable(getattr(deployment, "trainer_processes", None)):
+            return "the trainer is one process (the deployment has no trainer_processes())"
+        return None
+
+    def pid(self, ctx) -> int:
+        return ctx.deployment.trainer_processes()[-1].pid
+
+    def describe(self, ctx):
+        return f"{self.kind} {ctx.deployment.trainer_processes()[-1].name} {self.point or SEEDED}"
+
+
+class TrainerRankStall(TrainerRankKill, ReceiverStall):
+    """SIGSTOP one of the trainer's rank processes past the timeout, SIGCONT at heal."""
+
+    kind = "trainer-rank-stall"
+    NAMED = ReceiverStall.NAMED
+    strike = ReceiverStall.strike
+    heal = ReceiverStall.heal
+
+
 class RaisingTensors(Mapping):
     """The trainer's tensors, raising on the k-th read: a trainer that fails mid-prepare or
     mid-transfer (an exception in the step, a CUDA error while packing)."""
@@ -506,6 +541,8 @@ class CommitFail(Fault):
     def applies(self, backend, caps, deployment):
         if not deployment.processes():
             return "needs engines in rank processes (the trigger is per process)"
+        if getattr(deployment, "own_engine", None):
+            return f"the trigger is read by the fault engine's wrapper, which this backend does not run: {deployment.own_engine}"
         if len(deployment.handles) < 2:
             return "needs two engines"
         return None

@@ -19,6 +19,8 @@ from harness.faults.injectors import (
     StorageFull,
     TrainerKill,
     TrainerRaise,
+    TrainerRankKill,
+    TrainerRankStall,
 )
 
 FAULTS: dict[str, type[Fault]] = {
@@ -36,6 +38,8 @@ FAULTS: dict[str, type[Fault]] = {
         HttpAnswerLost,
         *between.KINDS,
         TrainerKill,
+        TrainerRankKill,
+        TrainerRankStall,
     )
 }
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterable
 
 import torch
@@ -33,6 +34,8 @@ from harness.reshard.layout import (
     ModelShape,
     TrainerLayout,
     TrainerParam,
+    engine_layout,
+    trainer_layout,
 )
 
 Span = tuple[int, int]  # [start, stop)
@@ -414,3 +417,31 @@ def build_plan(
                 )
                 sent[r] += nbytes
     return ReshardPlan(trainer, engine, tuple(shards), tuple(transfers))
+
+
+#: The planner a resharded sync uses unless this names another (`pkg.module:function(trainer_layout,
+#: engine_layout) -> ReshardPlan`): the meta tier's broken planners are selected so.
+PLANNER_ENV = "WEIGHTSYNC_RESHARD_PLANNER"
+DEFAULT_PLANNER = "harness.reshard.plan:build_plan"
+
+
+def planner_path() -> str:
+    """The planner this process uses (PLANNER_ENV, else build_plan), as an import path."""
+    return os.environ.get(PLANNER_ENV) or DEFAULT_PLANNER
+
+
+def plan_for_names(
+    model: ModelShape, n_trainers: int, m: int, dtype: str, names: Iterable[str], planner: str | None = None
+) -> ReshardPlan:
+    """The plan of a version that holds the checkpoint tensors `names` (all of the model, or part of it):
+    the engine parameters all of whose sources it holds, from those trainer parameters. Every rank of a
+    resharded sync computes it for itself from these same arguments, so every side moves the same bytes."""
+    from harness.registry import load_object
+
+    names = set(names)
+    full_t = trainer_layout(model, n_trainers, dtype)
+    full_e = engine_layout(model, m)
+    params = tuple(p for p in full_e.params if all(s in names for s in p.sources))
+    sources = {s for p in params for s in p.sources}
+    trainer = TrainerLayout(n_trainers, dtype, tuple(p for p in full_t.params if p.name in sources))
+    return load_object(planner or planner_path())(trainer, EngineLayout(m, model, params))

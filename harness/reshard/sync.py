@@ -11,6 +11,7 @@ bounds a peer that never answers)."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable, Mapping
 
@@ -117,23 +118,32 @@ def send_shards(
     batched: bool = True,
     before_send: Callable[[int], None] | None = None,
     replicas: int = 1,
+    pg: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
 ) -> int:
     """Send every transfer trainer `rank` owns to each of `replicas` replicas (point to point); returns the
     bytes sent. `batched`: every send posted at once, then waited for in plan order; else one after
-    another, `before_send(k)` called before the k-th (k = 0, 1, ...)."""
+    another, `before_send(k)` called before the k-th (k = 0, 1, ...). `pg`: the world's process group
+    where it is not the default one (its ranks numbered as `plan.world_rank` numbers them), each wait on
+    it bounded by `timeout_s`."""
     check_local_shards(plan, rank, local)
     todo = [(i, t, q) for i, t in plan.sends_of(rank) for q in range(replicas)]
     sent = 0
     if batched:
         works = [
-            _post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan, q) for i, t, q in todo
+            _post(_op("send", pg, timeout_s), _source_bytes(t, local), t, i, "trainer", rank, plan, q)
+            for i, t, q in todo
         ]
         return _waited([(i, t) for i, t, _ in todo], works, "trainer", rank)
     for k, (i, t, q) in enumerate(todo):
         if before_send is not None:
             before_send(k)
         _wait(
-            _post(dist.isend, _source_bytes(t, local), t, i, "trainer", rank, plan, q), t, i, "trainer", rank
+            _post(_op("send", pg, timeout_s), _source_bytes(t, local), t, i, "trainer", rank, plan, q),
+            t,
+            i,
+            "trainer",
+            rank,
         )
         sent += t.nbytes
     return sent
@@ -152,14 +162,22 @@ def broadcast_shards(
 
 
 def receive_shards(
-    plan: ReshardPlan, rank: int, shards: EngineShards, after_receive: Callable[[int], None] | None = None
+    plan: ReshardPlan,
+    rank: int,
+    shards: EngineShards,
+    after_receive: Callable[[int], None] | None = None,
+    pg: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
 ) -> int:
     """Receive every transfer engine `rank` needs straight into its shards (every receive posted at once,
     then waited for in plan order); returns the bytes received. `after_receive(k)` is called once k
-    transfers have landed (k = 1, 2, ...)."""
+    transfers have landed (k = 1, 2, ...). `pg`: as for `send_shards`."""
     todo = plan.receives_of(rank)
     views = _landing_views(rank, shards, todo)
-    works = [_post(dist.irecv, view, t, i, "engine", rank, plan) for (i, t), view in zip(todo, views)]
+    works = [
+        _post(_op("recv", pg, timeout_s), view, t, i, "engine", rank, plan)
+        for (i, t), view in zip(todo, views)
+    ]
     return _waited(todo, works, "engine", rank, after_receive)
 
 
@@ -200,6 +218,28 @@ def _waited(
         if after is not None:
             after(k)
     return moved
+
+
+def _op(kind: str, pg: dist.ProcessGroup | None, timeout_s: float | None = None):
+    """isend / irecv on the default group, or the same on `pg` (a group held as an object, as a process
+    that belongs to several worlds holds them: a TP engine's rank in its own group and in the sync's),
+    each wait then bounded by `timeout_s` (a group formed with a longer timeout than its transfers get)."""
+    if pg is None:
+        return dist.isend if kind == "send" else dist.irecv
+    post = pg.send if kind == "send" else pg.recv
+    return lambda buf, peer, tag: _Bounded(post([buf], peer, tag), timeout_s)
+
+
+class _Bounded:
+    """A posted send or receive whose wait() is bounded by `timeout_s` (None: the group's own)."""
+
+    def __init__(self, work, timeout_s: float | None):
+        self.work, self.timeout_s = work, timeout_s
+
+    def wait(self):
+        if self.timeout_s is None:
+            return self.work.wait()
+        return self.work.wait(datetime.timedelta(seconds=self.timeout_s))
 
 
 def _post(

@@ -26,6 +26,8 @@ TIMEOUT_S = 3.0
 
 
 def _deploy(backend, n, tmp_path, engine=None):
+    if engine is not None and getattr(backend, "own_engine", None):
+        pytest.skip(f"NOT_SUPPORTED: backend {backend.name!r} takes no engine factory: {backend.own_engine}")
     dep = with_timeout(backend, TIMEOUT_S).deploy(n, None, str(tmp_path), engine=engine)
     if not dep.processes():
         dep.close()

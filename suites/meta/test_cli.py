@@ -15,6 +15,9 @@ import pytest
         (["--engine", "refrence"], "unknown engine 'refrence'"),
         (["--backend", "nope"], "unknown backend 'nope'"),
         (["--floor", "disk=fast"], "disk=fast"),
+        (["--backend", "reshard", "--tp", "3"], "reshard --tp 3"),
+        (["--backend", "reshard", "--trainer-ranks", "0"], "trainer ranks, 1 or more"),
+        (["--backend", "ipc", "--tp", "2"], "--trainer-ranks and --tp shape the reshard backend"),
     ],
 )
 def test_certify_refuses_an_unknown_name_at_once_and_writes_nothing(tmp_path, args, message):

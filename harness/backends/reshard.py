@@ -1,0 +1,301 @@
+"""Built-in backend `reshard`: the resharded sync (harness.reshard) from N FSDP trainer ranks into R
+tensor-parallel engines of M ranks each (issue 39 item 1).
+
+    trainer process (the test's)                      N trainer rank processes (warm forks)
+    ReshardSender: full tensors -> /dev/shm  ------>  each maps it, keeps its Shard(0) rows, sends its
+                                                      planned transfers over the world (gloo)
+    per engine (receiver): a TPReferenceEngine        its M ranks (the leader here, M - 1 warm forks)
+    ReshardReceiver: vLLM's lifecycle         <------ receive straight into fresh shards, stage; finish
+                                                      commits on every rank or none (vote-then-swap)
+
+One gloo world of N + R x M ranks (trainers first, then each engine's ranks: `plan.world_rank`), its store
+hosted here; after a failed sync `recover()` replaces what died or hung and every rank joins a new world.
+The shape comes from the command line (`weightsync certify --backend reshard --trainer-ranks N --tp M`),
+carried to every process of the run as the device is (`RESHARD_ENV`)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import copy
+import dataclasses
+import os
+import uuid
+
+from harness.api import (
+    DEFAULT_ENGINE,
+    DEFAULT_TIMEOUT_S,
+    Backend,
+    BackendError,
+    Capabilities,
+    Deployment,
+    DeployRequest,
+    EngineHandle,
+    RankInfo,
+    TensorSpec,
+    WeightSpec,
+    WeightSyncError,
+)
+from harness.engines.tp_reference import TP_MODEL, TPReferenceEngine
+from harness.reshard.layout import DTYPES, ModelShape
+from harness.reshard.path import ReshardReceiver, ReshardSender
+from harness.reshard.trainer_ranks import JOIN, TrainerRanks
+
+#: "N,M": trainer ranks and TP size of the run (set by `weightsync ... --trainer-ranks N --tp M` and by
+#: pytest's --weightsync-trainer-ranks / --weightsync-tp), read by `make_backend`
+RESHARD_ENV = "WEIGHTSYNC_RESHARD"
+DEFAULT_TRAINER_RANKS, DEFAULT_TP = 3, 2
+DTYPE = "float32"  # the TP engine's
+#: How long forming a world may take (N + R x M processes connecting pairwise: seconds on a loaded 2-core
+#: host, past a fault cell's 4 s timeout); each transfer in it is bounded by the deployment's timeout
+JOIN_S = 30.0
+#: engines it delivers into: its own TP engine whatever the run names (the engine is half of the path),
+#: so the reference engine's name and the fault cells' wrapper are taken as "the engine under test"
+SERVED_ENGINES = (None, DEFAULT_ENGINE, "harness.faults.engines:make_engine", "reference")
+#: the tied-embedding engine's name (the suites' --weightsync-tied-engine): the same TP engine, its model tied
+TIED_ENGINES = ("harness.engines.reference:make_tied_engine", "reference-tied")
+
+
+def shape_from_env() -> tuple[int, int]:
+    """(trainer ranks, TP size) this run names (RESHARD_ENV), else the defaults (3, 2)."""
+    raw = os.environ.get(RESHARD_ENV)
+    if not raw:
+        return DEFAULT_TRAINER_RANKS, DEFAULT_TP
+    try:
+        n, m = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise BackendError(f"{RESHARD_ENV}={raw!r}: expected 'N,M' (trainer ranks, TP size)") from None
+    return n, m
+
+
+def set_run_shape(trainer_ranks: int | None, tp: int | None) -> None:
+    """Name the run's shape for this process and every process it starts (the pytest runs of a certify)."""
+    if trainer_ranks is None and tp is None:
+        return
+    n, m = shape_from_env()
+    os.environ[RESHARD_ENV] = f"{trainer_ranks or n},{tp or m}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankProcessRef:
+    rank: str
+    pid: int
+
+
+class ReshardDeployment(Deployment):
+    """N trainer rank processes and `replicas` TP engines of `tp` ranks, one gloo world."""
+
+    def __init__(
+        self, n_trainers: int, tp: int, replicas: int, timeout_s: float, model: ModelShape = TP_MODEL
+    ):
+        self.timeout_s, self.model = timeout_s, model
+        self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
+        self.restarts = 0
+        self.handles: list[EngineHandle] = []
+        #: each engine's receiver (a fault may wrap the one its handle holds for a push)
+        self.receivers: list[ReshardReceiver] = []
+        self.trainer_ranks: TrainerRanks | None = None
+        self._store = None
+        try:
+            self.trainer_ranks = TrainerRanks(n_trainers)
+            for i in range(replicas):
+                engine = self._engine()
+                self.receivers.append(ReshardReceiver(engine, f"engine {i}"))
+                self.handles.append(EngineHandle(self.receivers[-1], engine))
+            self.sender = ReshardSender(self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s)
+            self.own_engine = ReshardBackend.own_engine
+            self.connect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _engine(self) -> TPReferenceEngine:
+        return TPReferenceEngine(self.model, tp=self.tp, dtype=DTYPE, timeout_s=self.timeout_s)
+
+    @property
+    def world_size(self) -> int:
+        return self.n_trainers + self.replicas * self.tp
+
+    def connect(self) -> None:
+        """A new world: every trainer rank and every engine rank join it at once (a collective)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=JOIN_S),
+        )
+        self.sender.store_port = self._store.port  # where the world forms (the port-taken cell's target)
+        world = {
+            "port": self._store.port,
+            "prefix": f"reshard-{uuid.uuid4().hex}",
+            "size": self.world_size,
+            "timeout_s": self.timeout_s,
+            "join_s": JOIN_S,
+        }
+        with cf.ThreadPoolExecutor(max_workers=1 + len(self.handles), thread_name_prefix="join") as pool:
+            futures = [pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, JOIN_S + 5)]
+            futures += [
+                pool.submit(
+                    h.receiver.init_transfer_engine,
+                    {"world": {**world, "base": self.n_trainers + i * self.tp}},
+                )
+                for i, h in enumerate(self.handles)
+            ]
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
+
+    @property
+    def ranks(self) -> list[RankProcessRef]:
+        """Every rank process of the deployment (trainer ranks, then each engine's worker ranks), as the
+        resource checks count processes (`rank`, `pid`)."""
+        out = [RankProcessRef(f"trainer {i}", p.pid) for i, p in enumerate(self.trainer_ranks.processes())]
+        for i, h in enumerate(self.handles):
+            out += [
+                RankProcessRef(f"engine {i} tp {r}", pid) for r, pid in enumerate(h.engine.rank_pids(), 1)
+            ]
+        return out
+
+    def processes(self) -> list[RankInfo]:
+        """Per engine, in the order of `handles`, its TP rank 1 (a worker process; rank 0 leads in the
+        trainer's process): what a receiver fault strikes. Named as the receivers' errors name their engine."""
+        if self.tp < 2:
+            return []
+        return [RankInfo(f"engine {i}", h.engine.rank_pids()[0]) for i, h in enumerate(self.handles)]
+
+    def trainer_processes(self) -> list[RankInfo]:
+        return self.trainer_ranks.processes()
+
+    def healthy(self) -> bool:
+        engines = all(self._engine_ok(h.engine) for h in self.handles)
+        return engines and self.trainer_ranks.answering(self.timeout_s)
+
+    @staticmethod
+    def _engine_ok(engine: TPReferenceEngine) -> bool:
+        return engine.failure is None and not engine.workers.dead()
+
+    def _replace_failed_engines(self) -> list[int]:
+        """Replace every engine whose rank died or hung (or that failed) by a fresh one; their indices."""
+        replaced = []
+        for i, (h, receiver) in enumerate(zip(self.handles, self.receivers, strict=True)):
+            if not self._engine_ok(h.engine):
+                h.engine.shutdown()
+                h.engine = self._engine()
+                receiver.rebind(h.engine)
+                self.restarts += 1
+                replaced.append(i)
+        return replaced
+
+    def recover(self) -> None:
+        """Replace engines and trainer ranks that died or hung, then a new world for everyone."""
+        self._replace_failed_engines()
+        self.restarts += len(self.trainer_ranks.restart_unhealthy())
+        for r in self.receivers:
+            with contextlib.suppress(WeightSyncError):  # an engine that cannot abort is replaced
+                r.abort_weight_update()
+        self.sender.reset_base()
+        self.connect()
+
+    def reset(self, spec: WeightSpec | None = None) -> None:
+        check_spec(spec, self.model)
+        replaced = self._replace_failed_engines()
+        for i, h in enumerate(self.handles):
+            if i not in replaced:  # a fresh engine's state without new processes: the world stays joined
+                h.engine.reset_weights()
+        for r in self.receivers:
+            r.lifecycle.to("ready")
+        if replaced or not self.trainer_ranks.healthy():
+            self.trainer_ranks.restart_unhealthy()
+            self.connect()
+        self.sender.reset()
+
+    def close(self) -> None:
+        for h in self.handles:
+            with contextlib.suppress(Exception):  # the others are closed whatever one does
+                h.engine.shutdown()
+        if self.trainer_ranks is not None:
+            self.trainer_ranks.close()
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.shutdown()
+        self._store = None
+
+
+def check_spec(spec: WeightSpec | None, shape: ModelShape = TP_MODEL) -> None:
+    """The reshard backend serves the TP engine's model: a spec naming anything else is refused."""
+    model = {n: TensorSpec(s, DTYPES[DTYPE]) for n, s in shape.checkpoint_shapes().items()}
+    extra = sorted(n for n, s in (spec or {}).items() if model.get(n) != s)
+    if extra:
+        raise BackendError(f"the reshard backend serves the TP engine's model only; not {extra[:5]}")
+
+
+class ReshardBackend(Backend):
+    """Built-in backend `reshard`: N trainer ranks -> R engines of TP M over one gloo world."""
+
+    name = "reshard"
+    ceiling = "gloo"  # every transfer is a gloo send from a trainer rank to an engine rank
+    measure = "harness.reshard_throughput:measure_sync"  # a fixed model: rows are models of each size
+    bandwidth_floor = 0.2
+    floor_reason = (
+        "besides the plan's gloo sends, every version is copied once into /dev/shm for the trainer ranks and "
+        "each engine shard is digested twice (the oracle's cut in the trainer, the received shard on its rank): "
+        "0.56 of the verified gloo ceiling fitted on the 2-core VM at load average 9-13 (3 -> 2 x TP 2, "
+        "2026-12-06; 0.35 before the /dev/shm file was reused), floored at 0.2 for a loaded one"
+    )
+    own_engine = (
+        "it delivers into its own TP reference engine (harness.engines.tp_reference), whose ranks receive "
+        "the planned shards; the reference engine's name stands for it"
+    )
+
+    def __init__(
+        self,
+        trainer_ranks: int = DEFAULT_TRAINER_RANKS,
+        tp: int = DEFAULT_TP,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        if trainer_ranks < 1 or tp < 1:
+            raise BackendError(f"reshard: trainer ranks {trainer_ranks} and tp {tp} must be >= 1")
+        try:
+            TP_MODEL.check_tp(tp)
+        except ValueError as exc:
+            raise BackendError(f"reshard --tp {tp}: {exc}") from None
+        self.trainer_ranks, self.tp, self.timeout_s = trainer_ranks, tp, timeout_s
+        self.model = TP_MODEL
+        self.capabilities = Capabilities(
+            dtypes=frozenset({DTYPES[DTYPE]}),
+            multi_receiver=True,
+            max_receivers=2,  # N + 2 x M processes: what a 2-core, 8 GiB tier holds beside the other paths
+            arbitrary_tensors=False,  # the TP engine serves one model
+            trainer_ranks=True,  # N trainer rank processes: the trainer-rank fault cells strike them
+        )
+
+    def with_model(self, model: ModelShape) -> ReshardBackend:
+        """This backend with its deployments serving `model` (the throughput rows' models of each size)."""
+        try:
+            model.check_tp(self.tp)
+        except ValueError as exc:
+            raise BackendError(f"reshard --tp {self.tp}: {exc}") from None
+        other = copy.copy(self)
+        other.model = model
+        return other
+
+    def build(self, request: DeployRequest) -> Deployment:
+        if request.engine not in SERVED_ENGINES + TIED_ENGINES:
+            raise BackendError(
+                f"the reshard backend delivers into its own TP reference engine, not {request.engine!r}"
+            )
+        model = dataclasses.replace(self.model, tied=request.engine in TIED_ENGINES)
+        check_spec(request.spec, model)
+        return ReshardDeployment(self.trainer_ranks, self.tp, request.n_receivers, self.timeout_s, model)
+
+
+def make_backend() -> ReshardBackend:
+    """The run's shape (RESHARD_ENV: `--trainer-ranks N --tp M`), else 3 trainer ranks into TP 2."""
+    n, m = shape_from_env()
+    return ReshardBackend(n, m)

@@ -1,0 +1,51 @@
+"""The reshard backend's bytes against its plan: every engine rank of every replica receives exactly the
+plan's minimum for it, and the trainer ranks hand the library R x the plan's total (point to point, one
+send per replica). Times are printed beside the bytes (GB/s over the engine ranks' bytes), not gated."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from harness.backends.reshard import ReshardBackend
+from harness.deployment import push
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_each_engine_rank_receives_the_plans_minimum_bytes(tmp_path, replicas):
+    backend = ReshardBackend(trainer_ranks=3, tp=2, timeout_s=30.0)
+    with backend.deploy(replicas, None, str(tmp_path)) as dep:
+        spec = dep.handles[0].engine.weight_spec()
+        plan = dep.sender.plan(list(spec))
+        minimum = plan.minimum_bytes()
+        gen = torch.Generator().manual_seed(7)
+        times = []
+        for version in range(1, 6):
+            weights = {n: torch.randn(s.shape, generator=gen).to(s.dtype) for n, s in spec.items()}
+            t0 = time.perf_counter()
+            push(dep, version, weights)
+            times.append(time.perf_counter() - t0)
+            for q, h in enumerate(dep.handles):
+                got = {f"engine {r}": b for r, b in enumerate(h.receiver.received_bytes)}
+                want = {k: v for k, v in minimum.items() if k != "total"}
+                assert got == want, (
+                    f"3 -> 2, replica {q} of {replicas}, version {version}: engine ranks received {got}, the "
+                    f"plan's minimum is {want}\n{plan.bytes_table()}\n"
+                    "rerun: pytest suites/performance/test_reshard_backend.py"
+                )
+            sent = sum(dep.sender.sent_bytes)
+            assert sent == replicas * minimum["total"], (
+                f"the trainer ranks sent {dep.sender.sent_bytes} (sum {sent}) for {replicas} replica(s); "
+                f"expected {replicas} x {minimum['total']}"
+            )
+        median = statistics.median(times[1:])
+        moved = replicas * minimum["total"]
+        print(
+            f"reshard 3 -> {replicas} x TP 2: {moved} B per push, median {median * 1e3:.1f} ms "
+            f"({moved / median / 1e9:.4f} GB/s), each engine rank at its minimum"
+        )
