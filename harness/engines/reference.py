@@ -8,11 +8,7 @@ half-applied update.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
-import itertools
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,15 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.api import (
-    Engine,
     EngineStateError,
-    GenerationRequest,
     InPlaceLoad,
     ManifestMismatch,
-    PauseMode,
-    RequestStream,
     TensorSpec,
-    TokenEvent,
     UnknownTensorError,
     VersionError,
     WeightSpec,
@@ -36,6 +27,7 @@ from harness.api import (
 )
 from harness.devices import normalize
 from harness.engines import tiny_lm
+from harness.engines.batching import BatchingEngine, Running
 from harness.engines.byte_tokenizer import N_BYTES, ByteTokenizer
 from harness.engines.tiny_lm import FUSED_GROUPS, KVCache, ModelConfig
 from harness.manifest import dtype_name
@@ -44,16 +36,12 @@ PREFIX_BLOCK = 4  # prefix-cache granularity in tokens
 
 
 @dataclasses.dataclass
-class _Running:
-    stream: RequestStream
-    seq: int
-    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
-    generated: int = 0
+class _Running(Running):
     cache: KVCache | None = None
 
 
-class ReferenceEngine(Engine):
-    reports_logprobs = True  # every TokenEvent carries its logprob (and top_logprobs when asked)
+class ReferenceEngine(BatchingEngine):
+    running_class = _Running
 
     def __init__(
         self,
@@ -90,39 +78,10 @@ class ReferenceEngine(Engine):
         self._version = 0
         self._asleep = False  # weights offloaded (vLLM's sleep level 1/2): no forward pass, no commit
 
-        self._lock = threading.RLock()  # held by every step and by commit
-        self._cond = threading.Condition(self._lock)
-        # Callers (pause, commit, submit, ...) go before the scheduler's next step: Python locks are
-        # not fair, and a scheduler that re-takes the lock at once would starve them.
-        self._turn = threading.Condition()
-        self._callers = 0
-        self._waiting: collections.deque[_Running] = collections.deque()
-        self._running: list[_Running] = []
-        self._seq = itertools.count()
-        self._paused = False
         self._loading: _InPlaceLoad | None = None  # an open in-place load: no step runs
-        self._drain_below: int | None = None  # pause(wait): only requests with seq < this may run
         self._prefix_cache: dict[tuple[int, ...], KVCache] = {}
         self.prefix_cache_hits = 0
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="reference-engine", daemon=True)
-        self._thread.start()
-
-    @contextlib.contextmanager
-    def _priority(self):
-        """Hold the step lock, taking it ahead of the scheduler."""
-        with self._turn:
-            self._callers += 1
-        try:
-            self._lock.acquire()
-        finally:
-            with self._turn:
-                self._callers -= 1
-                self._turn.notify_all()
-        try:
-            yield
-        finally:
-            self._lock.release()
+        self._start_batching(max_batch, "reference-engine")
 
     # ------------------------------------------------------------------ Engine: state
     @property
@@ -131,15 +90,6 @@ class ReferenceEngine(Engine):
 
     def weight_spec(self) -> dict[str, TensorSpec]:
         return dict(self._spec)
-
-    @property
-    def is_paused(self) -> bool:
-        with self._priority():
-            return self._paused
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.max_batch
 
     def model_config(self) -> dict:
         return tiny_lm.hf_config(self.config)
@@ -163,52 +113,19 @@ class ReferenceEngine(Engine):
                 current.update(self._loading.undo)
             copy_weights_into(current, out)
 
-    # ------------------------------------------------------------------ Engine: requests
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        request.check(self.config.vocab_size)
-        stream = RequestStream(request)
-        with self._priority():
-            if self._stopped:
-                raise EngineStateError("engine is shut down")
-            self._waiting.append(_Running(stream, next(self._seq), list(request.prompt_token_ids)))
-            self._cond.notify_all()
-        return stream
+    # ------------------------------------------------------------------ Engine: requests (BatchingEngine)
+    def _vocab_size(self) -> int:
+        return self.config.vocab_size
 
-    def abort_requests(self, request_ids) -> int:
-        wanted = set(request_ids)
-        with self._priority():
-            hit = [r for r in [*self._running, *self._waiting] if r.stream.request.request_id in wanted]
-            self._push_abort(hit)
-            self._running = [r for r in self._running if r not in hit]
-            self._waiting = collections.deque(r for r in self._waiting if r not in hit)
-            self._cond.notify_all()
-        return len(hit)
-
-    def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be abort, wait or keep, got {mode!r}")
-        with self._priority():
-            if mode == "abort":
-                self._paused = True
-                self._abort_all()
-            elif mode == "wait":
-                # Everything submitted before this call is in flight and finishes; later ones queue.
-                self._drain_below = next(self._seq)
-                self._cond.notify_all()
-                self._cond.wait_for(lambda: not self._in_flight_below(self._drain_below))
-                self._drain_below = None
-                self._paused = True
-            else:
-                self._paused = True
-            if clear_cache:
-                self._prefix_cache.clear()
-            self._cond.notify_all()
-
-    def resume(self) -> None:
-        with self._priority():
+    def _refuse(self, what: str) -> None:
+        if what == "resume":
             self._refuse_while_asleep("resume")
-            self._paused = False
-            self._cond.notify_all()
+
+    def _stalled(self) -> bool:
+        return self._loading is not None
+
+    def _clear_caches(self) -> None:
+        self._prefix_cache.clear()
 
     def reset_prefix_cache(self) -> None:
         with self._priority():
@@ -337,81 +254,14 @@ class ReferenceEngine(Engine):
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ scheduler
-    def _push_abort(self, requests) -> None:
-        """Ends each of `requests`' streams with an abort at the tokens it has (the lock held)."""
-        for r in requests:
-            r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
-
-    def _abort_all(self) -> None:
-        """Aborts and forgets every running and waiting request (the lock held)."""
-        self._push_abort([*self._running, *self._waiting])
-        self._running.clear()
-        self._waiting.clear()
-
-    def _in_flight_below(self, seq: int | None) -> bool:
-        return seq is not None and any(r.seq < seq for r in [*self._running, *self._waiting])
-
-    def _runnable(self) -> bool:
-        if self._stopped:
-            return True
-        if self._loading is not None:
-            return False
-        if self._drain_below is not None:
-            return self._in_flight_below(self._drain_below)
-        return not self._paused and bool(self._running or self._waiting)
-
-    def _loop(self) -> None:
-        while True:
-            with self._turn:
-                self._turn.wait_for(lambda: self._callers == 0)
-            with self._cond:
-                self._cond.wait_for(self._runnable)
-                if self._stopped:
-                    return
-                self._step()
-                self._cond.notify_all()
-
     def _step(self) -> None:
         """One continuous-batching step: admit, then one token for every running request."""
-        limit = self._drain_below
-        while self._waiting and len(self._running) < self.max_batch:
-            if limit is not None and self._waiting[0].seq >= limit:
-                break
-            self._running.append(self._waiting.popleft())
-        for r in list(self._running):
-            if limit is not None and r.seq >= limit:
-                continue
+        for r in self._admit():
             if r.cache is None:
                 logits = self._prefill(r)
             else:
                 logits, r.cache = tiny_lm.forward(self.config, self._live, r.tokens[-1:], r.cache)
-            token = int(torch.argmax(logits))
-            r.tokens.append(token)
-            r.generated += 1
-            req = r.stream.request
-            finish = None
-            if token in req.stop_token_ids:
-                finish = "stop"
-            elif r.generated >= req.max_tokens:
-                finish = "length"
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            top = None
-            if req.logprobs:
-                values, ids = torch.topk(logprobs, min(req.logprobs, logprobs.numel()))
-                top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-            r.stream.push(
-                TokenEvent(
-                    req.request_id,
-                    r.generated - 1,
-                    token,
-                    self._version,
-                    finish,
-                    logprob=float(logprobs[token]),
-                    top_logprobs=top,
-                )
-            )
-            if finish:
-                self._running.remove(r)
+            self._emit(r, logits)
 
     def _prefill(self, r: _Running) -> torch.Tensor:
         prompt = r.tokens

@@ -16,32 +16,24 @@ and every later call raises EngineStateError naming each rank's state. No prefix
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
-import itertools
-import threading
 import uuid
 from collections.abc import Mapping
 
 import torch
 
 from harness.api import (
-    Engine,
     EngineStateError,
-    GenerationRequest,
     ManifestMismatch,
     PartialCommitError,
-    PauseMode,
-    RequestStream,
     TensorSpec,
-    TokenEvent,
     TransferError,
     UnknownTensorError,
     VersionError,
     WeightSpec,
 )
 from harness.engines import tiny_lm, tp_model
+from harness.engines.batching import BatchingEngine, Running
 from harness.engines.tp_group import WorkerProcesses, join, send_command
 from harness.engines.tp_rank import (
     COMMIT,
@@ -71,16 +63,13 @@ RANK_IMPL = "harness.engines.tp_rank:TPRank"
 
 
 @dataclasses.dataclass
-class _Running:
-    stream: RequestStream
-    seq: int
-    tokens: list[int]  # prompt + generated
-    generated: int = 0
+class _Running(Running):
     prefilled: bool = False  # every rank holds this request's KV cache
 
 
-class TPReferenceEngine(Engine):
-    reports_logprobs = True
+class TPReferenceEngine(BatchingEngine):
+    running_class = _Running
+    answered_step_errors = (EngineStateError,)  # _command failed the engine and says why
 
     def __init__(
         self,
@@ -120,35 +109,8 @@ class TPReferenceEngine(Engine):
             raise
         self._version = 0
         self._failed: str | None = None
-        self._lock = threading.RLock()  # held by every step, commit and read: one command at a time
-        self._cond = threading.Condition(self._lock)
-        # callers (pause, commit, submit, ...) go before the scheduler's next step (locks are not fair)
-        self._turn = threading.Condition()
-        self._callers = 0
-        self._waiting: collections.deque[_Running] = collections.deque()
-        self._running: list[_Running] = []
         self._drop: list[int] = []  # finished requests whose KV caches the ranks free at the next step
-        self._seq = itertools.count()
-        self._paused = False
-        self._drain_below: int | None = None
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="tp-reference-leader", daemon=True)
-        self._thread.start()
-
-    @contextlib.contextmanager
-    def _priority(self):
-        with self._turn:
-            self._callers += 1
-        try:
-            self._lock.acquire()
-        finally:
-            with self._turn:
-                self._callers -= 1
-                self._turn.notify_all()
-        try:
-            yield
-        finally:
-            self._lock.release()
+        self._start_batching(max_batch, "tp-reference-leader")  # every step, commit and read: one at a time
 
     # ------------------------------------------------------------------ the group
     def _command(self, op: str, payload, outgoing=None):
@@ -191,15 +153,6 @@ class TPReferenceEngine(Engine):
     def weight_spec(self) -> dict[str, TensorSpec]:
         return dict(self._spec)
 
-    @property
-    def is_paused(self) -> bool:
-        with self._priority():
-            return self._paused
-
-    @property
-    def max_running_requests(self) -> int:
-        return self.max_batch
-
     def model_config(self) -> dict | None:
         try:
             return tiny_lm.hf_config(tp_model.tiny_lm_config(self.shape, self.dtype))
@@ -216,55 +169,22 @@ class TPReferenceEngine(Engine):
         replicated tensor that differ between ranks are refused, naming the rank."""
         return gather_full(self.layout, self.read_shards())
 
-    # ------------------------------------------------------------------ Engine: requests
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        request.check(self.shape.vocab)
-        stream = RequestStream(request)
-        with self._priority():
-            if self._stopped:
-                raise EngineStateError("engine is shut down")
-            self._refuse_if_failed()
-            self._waiting.append(_Running(stream, next(self._seq), list(request.prompt_token_ids)))
-            self._cond.notify_all()
-        return stream
+    # ------------------------------------------------------------------ Engine: requests (BatchingEngine)
+    def _vocab_size(self) -> int:
+        return self.shape.vocab
 
-    def abort_requests(self, request_ids) -> int:
-        wanted = set(request_ids)
-        with self._priority():
-            hit = [r for r in [*self._running, *self._waiting] if r.stream.request.request_id in wanted]
-            self._end_aborted(hit)
-            self._running = [r for r in self._running if r not in hit]
-            self._waiting = collections.deque(r for r in self._waiting if r not in hit)
-            self._cond.notify_all()
-        return len(hit)
+    def _refuse(self, what: str) -> None:
+        self._refuse_if_failed()
 
-    def pause(self, mode: PauseMode = "abort", clear_cache: bool = False) -> None:
-        """vLLM's modes (Engine.pause). clear_cache clears nothing more: there is no prefix cache, and a
-        kept request's own KV cache is what it resumes from."""
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be abort, wait or keep, got {mode!r}")
-        with self._priority():
-            self._refuse_if_failed()
-            if mode == "abort":
-                self._paused = True
-                self._abort_all()
-            elif mode == "wait":
-                self._drain_below = next(self._seq)  # in flight now finishes; later ones queue
-                self._cond.notify_all()
-                # bounded: each step is bounded by the group timeout, and a failure ends every request
-                self._cond.wait_for(lambda: self._failed or not self._in_flight_below(self._drain_below))
-                self._drain_below = None
-                self._refuse_if_failed()
-                self._paused = True
-            else:
-                self._paused = True
-            self._cond.notify_all()
+    def _stalled(self) -> bool:
+        return self._failed is not None
 
-    def resume(self) -> None:
-        with self._priority():
-            self._refuse_if_failed()
-            self._paused = False
-            self._cond.notify_all()
+    def _broken(self) -> bool:
+        # bounded: each step is bounded by the group timeout, and a failure ends every request
+        return self._failed is not None
+
+    def _ended(self, r: Running) -> None:
+        self._drop.append(r.seq)
 
     def reset_prefix_cache(self) -> None:
         """Nothing to reset: the engine keeps no prefix cache."""
@@ -390,48 +310,9 @@ class TPReferenceEngine(Engine):
         self.workers.close(within_s=0 if self._failed else 10)
 
     # ------------------------------------------------------------------ scheduler
-    def _end_aborted(self, requests) -> None:
-        for r in requests:
-            r.stream.push(TokenEvent(r.stream.request.request_id, r.generated, None, self._version, "abort"))
-            self._drop.append(r.seq)
-
-    def _abort_all(self) -> None:
-        self._end_aborted([*self._running, *self._waiting])
-        self._running.clear()
-        self._waiting.clear()
-
-    def _in_flight_below(self, seq: int | None) -> bool:
-        return seq is not None and any(r.seq < seq for r in [*self._running, *self._waiting])
-
-    def _runnable(self) -> bool:
-        if self._stopped:
-            return True
-        if self._failed is not None:
-            return False
-        if self._drain_below is not None:
-            return self._in_flight_below(self._drain_below)
-        return not self._paused and bool(self._running or self._waiting)
-
-    def _loop(self) -> None:
-        while True:
-            with self._turn:
-                self._turn.wait_for(lambda: self._callers == 0)
-            with self._cond:
-                self._cond.wait_for(self._runnable)
-                if self._stopped:
-                    return
-                with contextlib.suppress(EngineStateError):  # _command failed the engine and says why
-                    self._step()
-                self._cond.notify_all()
-
     def _step(self) -> None:
         """One continuous-batching step on every rank: admit, then one token for each running request."""
-        limit = self._drain_below
-        while self._waiting and len(self._running) < self.max_batch:
-            if limit is not None and self._waiting[0].seq >= limit:
-                break
-            self._running.append(self._waiting.popleft())
-        batch = [r for r in self._running if limit is None or r.seq < limit]
+        batch = self._admit()
         entries = [[r.seq, r.tokens if not r.prefilled else r.tokens[-1:], not r.prefilled] for r in batch]
         drop, self._drop = self._drop, []
         logits, versions = self._command(STEP, {"batch": entries, "drop": drop})
@@ -443,28 +324,6 @@ class TPReferenceEngine(Engine):
         for r, lg in zip(batch, logits, strict=True):
             r.prefilled = True
             self._emit(r, lg)
-
-    def _emit(self, r: _Running, logits: torch.Tensor) -> None:
-        token = int(torch.argmax(logits))
-        r.tokens.append(token)
-        r.generated += 1
-        req = r.stream.request
-        finish = (
-            "stop" if token in req.stop_token_ids else "length" if r.generated >= req.max_tokens else None
-        )
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top = None
-        if req.logprobs:
-            values, ids = torch.topk(logprobs, min(req.logprobs, logprobs.numel()))
-            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
-        r.stream.push(
-            TokenEvent(
-                req.request_id, r.generated - 1, token, self._version, finish, float(logprobs[token]), top
-            )
-        )
-        if finish:
-            self._running.remove(r)
-            self._drop.append(r.seq)
 
 
 def make_engine(spec: WeightSpec | None = None, tp: int = 2) -> TPReferenceEngine:
