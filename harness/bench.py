@@ -413,6 +413,27 @@ class SyncBench:
         )
 
 
+def measure_row(bench: SyncBench, repeats: int, progress: Callable[[str], None], label: str) -> SyncRow:
+    """One row in up to ROW_ROUNDS rounds of `repeats` pushes: a round that passes, or reads a wrong byte,
+    ends it; the row is the pass, else the fastest miss on a quiet host (the path's own), else the fastest
+    busy round. `label` names the row in the progress lines."""
+    tried = []
+    for attempt in range(ROW_ROUNDS):
+        again = f", again ({attempt + 1} of {ROW_ROUNDS}: the last missed its floor)" if attempt else ""
+        for i in range(repeats):
+            progress(f"{label}, repeat {i + 1}/{repeats}{again}")
+            args, _ = bench.before()
+            bench.push(*args)
+        tried.append(bench.row())
+        if tried[-1].passed or tried[-1].wrong:
+            break
+        bench.next_round()
+    quiet = [r for r in tried if not r.host_busy]
+    row = next((r for r in tried if r.passed), min(quiet or tried, key=lambda r: r.time_s))
+    row.rounds_s = [r.time_s for r in tried]
+    return row
+
+
 def gate_failures(rows: list[SyncRow]) -> list[str]:
     """The rows that fail the throughput gate, and the paths whose fitted line fails it, one line each
     (for a report's verdict)."""
@@ -546,33 +567,10 @@ def measure_sync(
                 bucket_bytes=bucket_bytes,
                 n_tensors=n_tensors,
             ) as bench:
-                tried = []
-                for attempt in range(ROW_ROUNDS):
-                    again = (
-                        f", again ({attempt + 1} of {ROW_ROUNDS}: the last missed its floor)"
-                        if attempt
-                        else ""
-                    )
-                    for i in range(repeats):
-                        what = (
-                            f"{bench.nbytes / 2**20:.0f} MiB"
-                            if size > BARE_PAYLOAD_BYTES
-                            else "bare lifecycle"
-                        )
-                        progress(
-                            f"{backend.name}: {receivers} receiver(s), {what}{unit}, "
-                            f"repeat {i + 1}/{repeats}{again}"
-                        )
-                        args, _ = bench.before()
-                        bench.push(*args)
-                    tried.append(bench.row())
-                    if tried[-1].passed or tried[-1].wrong:
-                        break
-                    bench.next_round()
-                # a pass; else a miss on a quiet host (the path's own); else the fastest busy round
-                quiet = [r for r in tried if not r.host_busy]
-                row = next((r for r in tried if r.passed), min(quiet or tried, key=lambda r: r.time_s))
-                row.rounds_s = [r.time_s for r in tried]
+                what = f"{bench.nbytes / 2**20:.0f} MiB" if size > BARE_PAYLOAD_BYTES else "bare lifecycle"
+                row = measure_row(
+                    bench, repeats, progress, f"{backend.name}: {receivers} receiver(s), {what}{unit}"
+                )
                 row.swept = swept
                 rows.append(row)
     return rows

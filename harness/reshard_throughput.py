@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from harness.api import Backend
-from harness.bench import BARE_PAYLOAD_BYTES, ROW_ROUNDS, SyncBench, SyncRow, _versions, gate_for
+from harness.bench import BARE_PAYLOAD_BYTES, ROW_ROUNDS, SyncBench, SyncRow, _versions, gate_for, measure_row
 from harness.reshard.layout import ModelShape
 
 HEADS, KV_HEADS, LAYERS = 8, 2, 2
@@ -96,27 +96,10 @@ def measure_sync(
     with tempfile.TemporaryDirectory(prefix="weightsync-reshard-bench-") as tmp:
         for size in ([BARE_PAYLOAD_BYTES] if bare else []) + list(sizes):
             with ReshardSyncBench(backend, size, receivers, tmp, gate_for(backend, floors), repeats) as bench:
-                tried = []
-                for attempt in range(ROW_ROUNDS):
-                    for i in range(repeats):
-                        what = (
-                            f"{bench.nbytes / 2**20:.1f} MiB"
-                            if size > BARE_PAYLOAD_BYTES
-                            else "bare lifecycle"
-                        )
-                        again = f", again ({attempt + 1} of {ROW_ROUNDS})" if attempt else ""
-                        progress(
-                            f"{backend.name}: {receivers} receiver(s), {what}, repeat {i + 1}/{repeats}{again}"
-                        )
-                        args, _ = bench.before()
-                        bench.push(*args)
-                    tried.append(bench.row())
-                    if tried[-1].passed or tried[-1].wrong:
-                        break
-                    bench.next_round()
-                quiet = [r for r in tried if not r.host_busy]
-                row = next((r for r in tried if r.passed), min(quiet or tried, key=lambda r: r.time_s))
-                row.rounds_s = [r.time_s for r in tried]
+                what = f"{bench.nbytes / 2**20:.1f} MiB" if size > BARE_PAYLOAD_BYTES else "bare lifecycle"
+                row = measure_row(
+                    bench, repeats, progress, f"{backend.name}: {receivers} receiver(s), {what}"
+                )
                 if bench.plan_problems:
                     print(f"reshard throughput: bytes off the plan: {bench.plan_problems[:3]}")
                 rows.append(row)

@@ -153,6 +153,32 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def attention(
+    qkv: torch.Tensor,
+    pos: torch.Tensor,
+    cached: tuple[torch.Tensor, torch.Tensor] | None,
+    heads: tuple[int, int, int],
+    theta: float,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Causal GQA attention of the rows of `qkv` (at positions `pos`) after the `cached` keys and values,
+    RoPE applied; `heads` = (query heads, kv heads, head dim). Returns the heads' outputs side by side
+    ([T, heads * head dim]) and the grown (k, v)."""
+    nh, nkv, hd = heads
+    q, k, v = torch.split(qkv, [nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q = _rope(q.view(-1, nh, hd).transpose(0, 1), pos, theta)
+    k = _rope(k.view(-1, nkv, hd).transpose(0, 1), pos, theta)
+    v = v.view(-1, nkv, hd).transpose(0, 1)
+    if cached is not None:
+        k = torch.cat([cached[0], k], dim=1)
+        v = torch.cat([cached[1], v], dim=1)
+    rep = nh // nkv
+    kk, vv = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    # query t sits at absolute position start+t and sees keys 0..start+t
+    mask = torch.arange(k.shape[1], device=qkv.device)[None, :] <= pos[:, None]
+    attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+    return attn.transpose(0, 1).reshape(-1, nh * hd), (k, v)
+
+
 @torch.inference_mode()
 def forward(
     cfg: ModelConfig, live: Mapping[str, torch.Tensor], tokens: list[int], cache: KVCache | None
@@ -169,20 +195,9 @@ def forward(
         p = f"model.layers.{i}."
         h = _rms_norm(x, live[p + "input_layernorm.weight"], cfg.rms_eps)
         qkv = h @ live[p + "self_attn.qkv_proj.weight"].T
-        q, k, v = torch.split(qkv, [nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = _rope(q.view(-1, nh, hd).transpose(0, 1), pos, cfg.rope_theta)
-        k = _rope(k.view(-1, nkv, hd).transpose(0, 1), pos, cfg.rope_theta)
-        v = v.view(-1, nkv, hd).transpose(0, 1)
-        if cache:
-            k = torch.cat([cache[i][0], k], dim=1)
-            v = torch.cat([cache[i][1], v], dim=1)
-        new_cache.append((k, v))
-        rep = nh // nkv
-        kk, vv = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-        # query t sits at absolute position start+t and sees keys 0..start+t
-        mask = torch.arange(k.shape[1], device=dev)[None, :] <= pos[:, None]
-        attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
-        x = x + attn.transpose(0, 1).reshape(-1, nh * hd) @ live[p + "self_attn.o_proj.weight"].T
+        attn, kv = attention(qkv, pos, cache[i] if cache else None, (nh, nkv, hd), cfg.rope_theta)
+        new_cache.append(kv)
+        x = x + attn @ live[p + "self_attn.o_proj.weight"].T
         h = _rms_norm(x, live[p + "post_attention_layernorm.weight"], cfg.rms_eps)
         gate, up = torch.split(h @ live[p + "mlp.gate_up_proj.weight"].T, cfg.intermediate_size, dim=-1)
         x = x + (F.silu(gate) * up) @ live[p + "mlp.down_proj.weight"].T

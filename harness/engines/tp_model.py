@@ -15,9 +15,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from harness.engines.tiny_lm import ModelConfig
+from harness.engines.tiny_lm import ModelConfig, attention
 from harness.engines.tiny_lm import _rms_norm as rms_norm  # the same math as the single-process model
-from harness.engines.tiny_lm import _rope as rope
 from harness.reshard.layout import DTYPES, ModelShape
 
 #: per layer (K, V) of this rank's kv heads: [local kv heads, seq, head_dim]
@@ -101,22 +100,10 @@ def forward(
         qkv = h @ shards[p + "self_attn.qkv_proj.weight"].T
         if shape.qkv_bias:
             qkv = qkv + shards[p + "self_attn.qkv_proj.bias"]
-        q, k, v = torch.split(qkv, [nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = rope(q.view(-1, nh, hd).transpose(0, 1), pos, ROPE_THETA)
-        k = rope(k.view(-1, nkv, hd).transpose(0, 1), pos, ROPE_THETA)
-        v = v.view(-1, nkv, hd).transpose(0, 1)
-        if cache:
-            k = torch.cat([cache[i][0], k], dim=1)
-            v = torch.cat([cache[i][1], v], dim=1)
-        new_cache.append((k, v))
-        rep = nh // nkv
-        kk, vv = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-        mask = torch.arange(k.shape[1])[None, :] <= pos[:, None]
-        attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        attn, kv = attention(qkv, pos, cache[i] if cache else None, (nh, nkv, hd), ROPE_THETA)
+        new_cache.append(kv)
         # o_proj is row-parallel: this rank's heads times its columns, a partial sum of the full product
-        x = x + comm.all_reduce(
-            attn.transpose(0, 1).reshape(-1, nh * hd) @ shards[p + "self_attn.o_proj.weight"].T
-        )
+        x = x + comm.all_reduce(attn @ shards[p + "self_attn.o_proj.weight"].T)
         h = rms_norm(x, shards[p + "post_attention_layernorm.weight"], RMS_EPS)
         gate_up = h @ shards[p + "mlp.gate_up_proj.weight"].T
         gate, up = torch.split(gate_up, gate_up.shape[-1] // 2, dim=-1)
