@@ -37,6 +37,7 @@ from harness.faults.injectors import (
     PointNotApplicable,
 )
 from harness.faults.kinds import FAULTS
+from harness.faults.network import NETWORK
 from harness.paths.ipc import own_segments
 from harness.procs import pid_alive
 from harness.registry import engine_path
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--fault",
         required=True,
-        choices=sorted(k for k, f in FAULTS.items() if f.family != TRAINER_PROCESS),
+        choices=sorted(k for k, f in FAULTS.items() if f.family not in (TRAINER_PROCESS, NETWORK)),
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", required=True)

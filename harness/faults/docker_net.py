@@ -398,10 +398,12 @@ class DockerHost:
 
 
 # ============================================================================ the nemesis
-class Fault:
-    """inject() then heal(); heal() is idempotent and restores the network exactly."""
+class NetworkPrimitive:
+    """What a network fault does to the bridge (the nemesis's primitive; the fault kinds of the matrix,
+    harness.faults.network, each make one): inject() then heal(); heal() is idempotent and restores the
+    network exactly."""
 
-    description = "fault"
+    description = "network primitive"
 
     def __init__(self) -> None:
         self.active = False
@@ -412,7 +414,7 @@ class Fault:
     def heal(self) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> Fault:  # noqa: PYI034
+    def __enter__(self) -> NetworkPrimitive:  # noqa: PYI034
         self.inject()
         return self
 
@@ -423,7 +425,7 @@ class Fault:
         return f"<{type(self).__name__} {self.description} {'active' if self.active else 'healed'}>"
 
 
-class Disconnect(Fault):
+class Disconnect(NetworkPrimitive):
     """The container loses its network link (docker network disconnect); heal reconnects it with the same IP."""
 
     def __init__(self, host: DockerHost, container):
@@ -446,7 +448,7 @@ class Disconnect(Fault):
         self.active = False
 
 
-class _IptablesFault(Fault):
+class _IptablesFault(NetworkPrimitive):
     """Rules appended in the container's own network namespace; heal deletes exactly those rules."""
 
     def __init__(self, host: DockerHost, container, rules: list[list[str]]):
@@ -511,7 +513,7 @@ class PacketLoss(_IptablesFault):
         self.description = f"{container.name} loses {p:.0%} of packets each way"
 
 
-class BandwidthCap(Fault):
+class BandwidthCap(NetworkPrimitive):
     """tc tbf at `rate` on the container's eth0 (what it sends) and on its host-side veth (what it
     receives); heal deletes both root qdiscs, restoring the defaults."""
 
@@ -572,7 +574,7 @@ ALLOCATOR = (
 )  # fmt: skip
 
 
-class OomKill(Fault):
+class OomKill(NetworkPrimitive):
     """Memory pressure past the container's mem_limit: an allocator runs inside the container and the
     kernel's OOM killer ends the container's main process (made the preferred victim through its
     oom_score_adj, as the largest process would be). The container exits 137 with OOMKilled set.

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from harness.faults.injectors import SEEDED
-from harness.faults.kinds import CONTROL_PLANE_KINDS, FAULTS
+from harness.faults.kinds import CONTROL_PLANE_KINDS, FAULTS, NETWORK_KINDS
 from harness.faults.matrix import run_matrix_cell
 from harness.pytest_plugin import NOT_SUPPORTED, UNKNOWN, outcomes_of, selection_of
 from harness.registry import BUILTIN_BACKENDS, EXTRA_BACKENDS, resolve_backend
@@ -55,7 +55,8 @@ def _kinds(config, backend: str) -> list[str]:
     # the control column in the default selection runs the faults of the control plane itself (Fault.control_plane):
     # its data plane is the disk path's, whose column runs the rest; `--weightsync-backend=control` (and
     # `weightsync certify`) runs every kind against it
-    return [k for k in FAULTS if not implicit or k in CONTROL_PLANE_KINDS]
+    # the network's kinds need ranks on other hosts: the Docker tier runs them (test_network_docker.py)
+    return [k for k in FAULTS if k not in NETWORK_KINDS and (not implicit or k in CONTROL_PLANE_KINDS)]
 
 
 def _points(config, backend: str, kind: str) -> tuple[str, ...]:

@@ -4,10 +4,12 @@ processes OOM-killed by the kernel.
 
 1. `test_nemesis_*`: each fault primitive, measured between two containers and the host (TCP echo,
    UDP counts, timed bulk transfers): it really cuts or degrades, and heal() restores it.
-2. `test_broadcast_fault_cell`: the trainer on the host, 2 broadcast receivers in containers. Push v1,
-   inject the fault while v2 is on the wire, heal, push v3. The verdict, as Jepsen gives it:
-   safety (every engine serves exactly one committed version, bit for bit), bounded (the v2 push
-   returns within 2x the backend timeout), recovery (v3 succeeds and every engine holds it).
+2. `test_broadcast_fault_cell`: each network kind of the fault matrix (harness.faults.network: net-disconnect,
+   net-partition, net-one-way, net-loss20, net-bandwidth, net-oom), its cell run as the matrix runs any kind:
+   the trainer on the host, 2 broadcast receivers in containers. Push v1, inject the fault while v2 is on
+   the wire, heal, push v3. The verdict, as Jepsen gives it: safety (every engine serves exactly one
+   committed version, bit for bit), bounded (the v2 push returns within 2x the backend timeout), recovery
+   (v3 succeeds and every engine holds it).
 
 Runs only with WEIGHTSYNC_DOCKER=1 (`.ci/docker-tier.sh`); without an engine it skips, "unknown: <why>".
 """
@@ -20,14 +22,8 @@ import threading
 import time
 
 import pytest
-import torch
 
-from harness.api import TensorSpec, WeightSyncError
 from harness.backends.broadcast import BroadcastBackend
-from harness.checks import CellObservation, judge_cell
-from harness.deployment import push
-from harness.faults.cell import cell_versions, detached, read_engines, recover
-from harness.faults.container_rank import deploy_broadcast
 from harness.faults.docker_net import (
     BandwidthCap,
     Disconnect,
@@ -37,6 +33,8 @@ from harness.faults.docker_net import (
     PacketLoss,
     Partition,
 )
+from harness.faults.kinds import NETWORK_KINDS
+from harness.faults.matrix import run_matrix_cell
 from harness.pytest_plugin import docker_host_fixture
 
 pytestmark = [
@@ -296,102 +294,23 @@ def test_nemesis_oom_kill(docker_host):
 
 
 # ============================================================================ 2. broadcast under faults
-# 8 tensors x 2 MiB: 8 buckets (one tensor each), so a fault lands with data on the wire
-SPEC = {f"layers.{i}.weight": TensorSpec((512, 1024), torch.float32) for i in range(8)}
-
-
-class _TriggerOnPack(dict):
-    """The v2 payload: the first read of `key` after the trainer started transmitting (packing bucket 2
-    of 8 while bucket 1 is on the wire) injects the fault from the sender's thread."""
-
-    def __init__(self, data, key, action):
-        super().__init__(data)
-        self.key, self.action, self.armed, self.fired = key, action, False, None
-
-    def __getitem__(self, name):
-        if self.armed and self.fired is None and name == self.key:
-            self.fired = time.monotonic()
-            self.action()
-        return super().__getitem__(name)
-
-
-def _make_fault(kind, host, victim, other):
-    gw = host.gateway_ip()
-    if kind == "disconnect":
-        return Disconnect(host, victim)
-    if (
-        kind == "partition"
-    ):  # the victim cannot reach the trainer (both ways); it still reaches the other rank
-        return Partition(host, victim, gw)
-    if kind == "one_way":  # the victim hears nothing from the trainer; what it sends still arrives
-        return OneWayPartition(host, victim, gw)
-    if kind == "loss20":
-        return PacketLoss(host, victim, 0.2)
-    if kind == "bandwidth":
-        return BandwidthCap(host, victim, "8mbit")  # 1 MB/s: 16 MiB take ~16 s, over the 5 s timeout
-    if kind == "oom":
-        return OomKill(host, victim)
-    raise ValueError(kind)
-
-
-CELLS = ["disconnect", "partition", "one_way", "loss20", "bandwidth", "oom"]
-
-
-class NetworkFault:
-    """What the checker needs to know of a network fault: its kind. The error need not name the victim
-    rank: a cut link times out whichever rank waits on it first."""
-
-    names_victim = False
-
-    def __init__(self, kind: str):
-        self.kind = kind
-
-
-@pytest.mark.parametrize("kind", CELLS)
-def test_broadcast_fault_cell(kind, docker_host, tmp_path, monkeypatch):
-    for k, v in docker_host.trainer_env().items():  # gloo on the trainer listens on the bridge
-        monkeypatch.setenv(k, v)
+@pytest.mark.parametrize("kind", NETWORK_KINDS)
+def test_broadcast_fault_cell(kind, docker_host, tmp_path):
+    """The matrix's cell of each network kind (harness.faults.network_cell), run as the fault matrix runs
+    any kind (harness.faults.matrix.run_matrix_cell), with the broadcast path's ranks in containers."""
     backend = BroadcastBackend(timeout_s=TIMEOUT_S)
-    options = {"mem_limit": "1500m", "memswap_limit": "1500m"} if kind == "oom" else {}
-    with deploy_broadcast(backend, docker_host, 2, SPEC, str(tmp_path), container_options=options) as dep:
-        sent = cell_versions(SPEC, seed=1)  # consecutive trainer steps, as every fault cell pushes
-        push(dep, 1, sent[1])
-
-        victim, other = dep.ranks[1], dep.ranks[0]  # rank 2 takes the fault
-        fault = _make_fault(kind, docker_host, victim.container, other.container)
-        payload = _TriggerOnPack(sent[2], "layers.2.weight", fault.inject)
-        transmit = dep.sender.transmit
-
-        def armed_transmit():
-            payload.armed = True
-            return transmit()
-
-        dep.sender.transmit = armed_transmit
-        obs = CellObservation(
-            fault=NetworkFault(kind),
-            timeout_s=TIMEOUT_S,
-            versions=sent,
-            version=2,
-            recovery_version=3,
-            victim_name=dep.processes()[1].name,
-        )
-        t0 = time.monotonic()
-        try:
-            push(dep, 2, payload)
-        except WeightSyncError as exc:
-            obs.error = detached(exc)
-        obs.detect_s = time.monotonic() - t0
-        dep.sender.transmit = transmit
-        if payload.fired is None:
-            fault.inject()  # never reached bucket 2: inject now so the cell still tests what it names
-        if isinstance(fault, OomKill):
-            state = fault.wait(30)
-            assert state["OOMKilled"] and state["ExitCode"] == 137, f"the victim was not OOM-killed: {state}"
-        fault.heal()
-        obs.after_fault = read_engines(dep)
-        recover(dep, obs, 3)
-        verdict, reasons = judge_cell(obs)
-        print(f"\n[{kind}] v2: {obs.error_text() or 'succeeded'} in {obs.detect_s:.1f}s (fault at "
-              f"+{(payload.fired or t0) - t0:.2f}s); v3 after heal in {obs.recover_s:.1f}s, restarts "
-              f"{getattr(dep, 'restarts', '?')}")  # fmt: skip
-        assert verdict == "ok", f"[{kind}] network fault cell:\n  " + "\n  ".join(reasons)
+    result = run_matrix_cell(
+        backend,
+        "broadcast",
+        kind,
+        0,
+        tmp_path,
+        None,
+        TIMEOUT_S,
+        backend.capabilities,
+        docker_host=docker_host,
+    )
+    print(f"\n[{kind}] " + "; ".join(result.log))
+    if result.verdict == "unknown":
+        pytest.skip(f"unknown: {kind}: {'; '.join(result.reasons)}")
+    assert result.verdict == "ok", f"[{kind}] network fault cell:\n  " + "\n  ".join(result.reasons)
