@@ -147,13 +147,7 @@ def add_certify(sub, exits: str) -> None:
         "--weightsync-xfails-file): listed in the report as known, not failing the verdict; one that passes "
         "(fixed upstream) fails it (default: none)",
     )
-    c.add_argument(
-        "--trainer-ranks",
-        type=cli_args.whole(1, "trainer ranks"),
-        default=None,
-        help=RESHARD_RANKS_HELP,
-    )
-    c.add_argument("--tp", type=cli_args.whole(1, "TP ranks"), default=None, help=RESHARD_TP_HELP)
+    _reshard_options(c)
     c.add_argument("--device", default="cpu", type=cli_args.device, help=DEVICE_HELP)
     c.add_argument(
         "--resume",
@@ -213,13 +207,7 @@ def add_bench(sub) -> None:
         "--floor", action="append", default=[], type=cli_args.floor, metavar="PATH=RATIO", help=FLOOR_HELP
     )
     b.add_argument("--out", default="reports", help="the folder the bench bundle is written under")
-    b.add_argument(
-        "--trainer-ranks",
-        type=cli_args.whole(1, "trainer ranks"),
-        default=None,
-        help=RESHARD_RANKS_HELP,
-    )
-    b.add_argument("--tp", type=cli_args.whole(1, "TP ranks"), default=None, help=RESHARD_TP_HELP)
+    _reshard_options(b)
     b.add_argument("--device", default="cpu", type=cli_args.device, help=DEVICE_HELP)
 
 
@@ -235,3 +223,11 @@ def add_cost(sub) -> None:
             formatter_class=cli_args.HelpFormatter,
         )
     )
+
+
+def _reshard_options(parser: argparse.ArgumentParser) -> None:
+    """--trainer-ranks and --tp: the resharded sync's shape (certify and bench alike)."""
+    parser.add_argument(
+        "--trainer-ranks", type=cli_args.whole(1, "trainer ranks"), default=None, help=RESHARD_RANKS_HELP
+    )
+    parser.add_argument("--tp", type=cli_args.whole(1, "TP ranks"), default=None, help=RESHARD_TP_HELP)

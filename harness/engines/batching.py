@@ -2,7 +2,8 @@
 engine in one process, the TP reference engine over M ranks): the request queue, the scheduler's loop
 and the lock callers take ahead of it, pause (abort, wait, keep) and resume, abort by id, and each token's
 event. An engine computes a step's logits (`_step`, from `_admit()`'s batch to `_emit` per request) and
-says what else stops it (`_refuse`, `_stalled`, `_broken`)."""
+says what else stops it (`_refuse`, `_stalled`, `_broken`). It checks a version's tensors against the
+engine's own spec the same way for both (`_check_tensors`)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,22 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+from collections.abc import Mapping
 
 import torch
 
-from harness.api import Engine, EngineStateError, GenerationRequest, PauseMode, RequestStream, TokenEvent
+from harness.api import (
+    Engine,
+    EngineStateError,
+    GenerationRequest,
+    ManifestMismatch,
+    PauseMode,
+    RequestStream,
+    TensorSpec,
+    TokenEvent,
+    UnknownTensorError,
+)
+from harness.manifest import dtype_name
 
 
 @dataclasses.dataclass
@@ -33,6 +46,7 @@ class BatchingEngine(Engine):
     reports_logprobs = True  # every TokenEvent carries its logprob (and top_logprobs when asked)
     max_batch: int
     _version: int
+    _spec: dict[str, TensorSpec]  # the checkpoint the engine holds, by name
     #: what a request becomes when taken (an engine's own Running, with its cache)
     running_class: type[Running] = Running
     #: errors a step may raise that the engine has already answered (its loop goes on)
@@ -94,6 +108,19 @@ class BatchingEngine(Engine):
 
     def _step(self) -> None:
         raise NotImplementedError
+
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Refuse a name the engine lacks, or a shape or dtype other than the one it holds (`_spec`)."""
+        unknown = sorted(n for n in tensors if n not in self._spec)
+        if unknown:
+            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]}")
+        for name, t in tensors.items():
+            s = self._spec[name]
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise ManifestMismatch(
+                    f"version {version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
+                    f"engine holds {s.shape} {dtype_name(s.dtype)}"
+                )
 
     # ------------------------------------------------------------------ Engine: requests
     @property

@@ -20,7 +20,6 @@ from harness.api import (
     InPlaceLoad,
     ManifestMismatch,
     TensorSpec,
-    UnknownTensorError,
     VersionError,
     WeightSpec,
     copy_weights_into,
@@ -30,7 +29,6 @@ from harness.engines import tiny_lm
 from harness.engines.batching import BatchingEngine, Running
 from harness.engines.byte_tokenizer import N_BYTES, ByteTokenizer
 from harness.engines.tiny_lm import FUSED_GROUPS, KVCache, ModelConfig
-from harness.manifest import dtype_name
 
 PREFIX_BLOCK = 4  # prefix-cache granularity in tokens
 
@@ -132,19 +130,6 @@ class ReferenceEngine(BatchingEngine):
             self._prefix_cache.clear()
 
     # ------------------------------------------------------------------ Engine: commit
-    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Refuse a name the engine lacks, or a shape or dtype other than the one it holds."""
-        unknown = sorted(n for n in tensors if n not in self._spec)
-        if unknown:
-            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]}")
-        for name, t in tensors.items():
-            s = self._spec[name]
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                raise ManifestMismatch(
-                    f"version {version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
-                    f"engine holds {s.shape} {dtype_name(s.dtype)}"
-                )
-
     def _refuse_while_loading(self, version: int) -> None:
         """Under the step lock: one version at a time, whole swap or in-place load; none while asleep."""
         self._refuse_while_asleep(f"version {version}")

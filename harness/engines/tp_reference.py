@@ -28,7 +28,6 @@ from harness.api import (
     PartialCommitError,
     TensorSpec,
     TransferError,
-    UnknownTensorError,
     VersionError,
     WeightSpec,
 )
@@ -49,7 +48,6 @@ from harness.engines.tp_rank import (
     rank_main,
     shard_shapes,
 )
-from harness.manifest import dtype_name
 from harness.registry import load_object
 from harness.reshard.gather import gather_full
 from harness.reshard.layout import DTYPES, ModelShape, engine_layout
@@ -200,18 +198,6 @@ class TPReferenceEngine(BatchingEngine):
                 missing = [s for s in p.sources if s not in names]
                 raise ManifestMismatch(
                     f"version {version}: {sent[0]!r} is part of {p.name!r}; {missing} must be sent with it"
-                )
-
-    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        unknown = sorted(n for n in tensors if n not in self._spec)
-        if unknown:
-            raise UnknownTensorError(f"version {version}: unknown tensor(s) {unknown[:5]}")
-        for name, t in tensors.items():
-            s = self._spec[name]
-            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                raise ManifestMismatch(
-                    f"version {version}: tensor {name!r} is {tuple(t.shape)} {dtype_name(t.dtype)}, "
-                    f"engine holds {s.shape} {dtype_name(s.dtype)}"
                 )
 
     def commit_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
