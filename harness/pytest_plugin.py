@@ -1065,6 +1065,8 @@ def _write_results(config: pytest.Config, exitstatus: int | None = None) -> None
     data = {
         "backend": ",".join(names),
         "engine": sel.engine,
+        # a path that delivers into an engine of its own (Backend.own_engine) is not served by `engine`
+        "own_engines": {n: b.own_engine for n, b in sel.backends.items() if getattr(b, "own_engine", None)},
         "receivers": {n: sel.receivers(n) for n in names},
         "capabilities": {n: sel.capabilities(n).describe() for n in names},
         "hypothesis_profile": settings.get_current_profile_name(),

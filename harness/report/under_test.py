@@ -41,13 +41,19 @@ def under_test(results: dict[str, dict], faults: dict[str, dict] | None = None) 
             UnderTest(
                 b,
                 [suite for suite, _ in runs],
-                str(first.get("engine", "–")),
+                _engine_of(first, b),
                 str(first.get("receivers", {}).get(b, "–")),
                 str(first.get("hypothesis_profile", "–")),
                 first.get("capabilities", {}).get(b, {}),
             )
         )
     return out
+
+
+def _engine_of(run: dict, backend: str) -> str:
+    """The engine a backend's tests ran on: the run's, unless the path delivers into one of its own."""
+    own = run.get("own_engines", {}).get(backend)
+    return own or str(run.get("engine", "–"))
 
 
 def _cap_text(value: object) -> str:
