@@ -344,8 +344,7 @@ class IpcReceiver(StagingReceiver):
         # handle still mapped opens as a lookup (torch keeps one mapping per handle while it is used)
         # instead of a fresh cudaIpcOpenMemHandle. (Not measured without it; with it, opening a sync's
         # 9 handles took 0.4 ms on one H200, 2026-12-03.)
-        self._still_mapped: list[torch.Tensor] = []
-        self._held_mappings: dict[tuple, torch.Tensor] = {}  # the same, by what names each (_handle_key)
+        self._held_mappings: dict[tuple, torch.Tensor] = {}  # by what names each (_handle_key)
 
     def engine_device(self) -> torch.device:
         """The device this receiver was given, else the engine's own."""
@@ -433,9 +432,8 @@ class IpcReceiver(StagingReceiver):
                     f"version {manifest.version}: tensor {e.name!r} ({e.nbytes} bytes at {at} of storage {k}) "
                     "lies outside the storages shared"
                 )
-        self._still_mapped = [head, *mapped]
         self._held_mappings = {
-            _handle_key(h): t for h, t in zip([token_handle, *storages], self._still_mapped, strict=True)
+            _handle_key(h): t for h, t in zip([token_handle, *storages], [head, *mapped], strict=True)
         }
         target, verified = self.engine_device(), self._fused_verified()
         entries = list(manifest.entries)
@@ -456,7 +454,6 @@ class IpcReceiver(StagingReceiver):
         return out
 
     def _shutdown(self) -> None:
-        self._still_mapped = []
         self._held_mappings = {}
 
     def _fused_verified(self) -> set[str] | None:
