@@ -22,6 +22,7 @@ import torch.distributed as dist
 from harness import error_codec, warm
 from harness.api import RankFailure, RankInfo, TransferError
 from harness.procs import describe_exit, process_state
+from harness.reshard.gpu_bench import views
 from harness.reshard.layout import DTYPES, ModelShape, chunk_rows
 from harness.reshard.plan import plan_for_names
 from harness.reshard.sync import send_shards
@@ -35,15 +36,7 @@ def map_full_tensors(path: str, layout: Mapping[str, Sequence], dtype: str) -> d
     """The full tensors a sender wrote to `path` ({name: [byte offset, shape]}), mapped, not copied."""
     size = os.path.getsize(path)
     flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-    torch_dtype = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    out = {}
-    for name, (offset, shape) in layout.items():
-        n = 1
-        for d in shape:
-            n *= d
-        out[name] = flat[offset : offset + n * itemsize].view(torch_dtype).reshape(shape)
-    return out
+    return views(flat, dict(layout), DTYPES[dtype])
 
 
 def local_shards(full: Mapping[str, torch.Tensor], n: int, rank: int) -> dict[str, torch.Tensor]:
