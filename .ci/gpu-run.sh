@@ -1,6 +1,7 @@
 # The GPU run (device machine, one call per mode): the product's own commands on the GPU, as a user runs them.
 #   bash .ci/gpu-run.sh bench   [sizes in MiB...]   (default: 256 1024 4096 16384)
 #   bash .ci/gpu-run.sh certify [certify args...]   (default: every GPU path this host runs, default sizes)
+#   bash .ci/gpu-run.sh profile [pushes]            (default: 200)
 # bench: the GPU tests (device digests; engines on the device and the zero-copy CUDA IPC path), then
 #   `weightsync bench --device cuda` per GPU path (one receiver; a bare-lifecycle row is added; each path's
 #   time fitted as fixed + bytes / bandwidth against the verified ceiling).
@@ -20,7 +21,17 @@ run=$OUT/run; mkdir -p "$run"
 nvidia-smi -L > "$run/gpus.txt"; nproc >> "$run/gpus.txt"
 python3 -c 'import torch,triton;print(torch.__version__, triton.__version__, torch.cuda.device_count())' >> "$run/gpus.txt"
 cat "$run/gpus.txt"
-if [ "$mode" = bench ]; then
+if [ "$mode" = profile ]; then
+  # where the same-GPU sync's fixed cost goes: the bare lifecycle profiled, handle reuse off/on twice (A/B/A/B)
+  for arm in 0a 1a 0b 1b; do
+    WEIGHTSYNC_IPC_REUSE_HANDLES=${arm%?} timeout 120 python3 -m harness.profile_push --backend ipc --device cuda \
+      --pushes ${1:-200} --out "$run/profile-ipc-reuse$arm" > "$run/profile-ipc-reuse$arm.log" 2>&1
+    echo "profile ipc reuse=$arm exit $?"; python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print({k:d[k] for k in d if k.endswith('ms')})" "$run/profile-ipc-reuse$arm/summary.json"
+  done
+  timeout 120 python3 -m harness.profile_push --backend delta-ipc --device cuda --pushes ${1:-200} \
+    --out "$run/profile-delta-ipc" > "$run/profile-delta-ipc.log" 2>&1
+  echo "profile delta-ipc exit $?"
+elif [ "$mode" = bench ]; then
   sizes=${*:-256 1024 4096 16384}
   timeout 150 python3 -m pytest suites/meta/test_device_digest.py suites/meta/test_gpu_engine.py -q -p no:cacheprovider \
     > "$run/gpu-tests.log" 2>&1

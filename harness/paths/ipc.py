@@ -108,6 +108,12 @@ def reuse_handles_enabled() -> bool:
     return os.environ.get("WEIGHTSYNC_IPC_REUSE_HANDLES", "1") != "0"
 
 
+def _held_or_opened(held: dict[tuple, torch.Tensor], h: JSON) -> torch.Tensor:
+    # `held.get(k) or open(...)` would ask a mapped tensor for its truth value
+    mapped = held.get(_handle_key(h))
+    return open_cuda_handle(h) if mapped is None else mapped
+
+
 def _handle_key(h: JSON) -> tuple:
     """What names one mapping: the allocation's handle and where the storage lies in it."""
     return (h.get("device"), h.get("handle"), h.get("offset"), h.get("size"))
@@ -421,11 +427,11 @@ class IpcReceiver(StagingReceiver):
             # a handle the last sync mapped is still mapped here: taken as it is (the sender shares a storage
             # once while it keeps it; its memory stays the trainer's while a receiver holds the mapping)
             held = self._held_mappings if reuse_handles_enabled() else {}
-            head = held.get(_handle_key(token_handle)) or open_cuda_handle(token_handle)
+            head = _held_or_opened(held, token_handle)
             if head.numel() < TOKEN_BYTES:
                 raise TransferError(f"CUDA token buffer holds {head.numel()} bytes, expected {TOKEN_BYTES}")
             self._check_token(bytes(head[:TOKEN_BYTES].cpu().numpy()), token, "CUDA token buffer")
-            mapped = [held.get(_handle_key(h)) or open_cuda_handle(h) for h in storages]
+            mapped = [_held_or_opened(held, h) for h in storages]
         for e, (k, at) in zip(manifest.entries, placed, strict=True):
             if not 0 <= k < len(mapped) or at < 0 or at + e.nbytes > mapped[k].numel():
                 raise TransferError(
