@@ -35,7 +35,7 @@ def _thread_stat(pid: int, tid: int) -> tuple[str, float] | None:
     return fields[0], (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14, 15)
 
 
-def _tasks(pid: int) -> list[int]:
+def tasks(pid: int) -> list[int]:
     try:
         return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
@@ -90,7 +90,7 @@ def watched_threads(worker: threading.Thread):
         launch = sys.modules.get("harness.launch.supervision")
         if launch is not None:
             for pid in launch.live_rank_pids():
-                keys += [(pid, tid) for tid in _tasks(pid)]
+                keys += [(pid, tid) for tid in tasks(pid)]
         return keys
 
     return threads
@@ -115,7 +115,7 @@ def _tree_ticks(root: int) -> int:
         except (OSError, IndexError):
             continue
         total += int(fields[11]) + int(fields[12])
-        for task in _tasks(pid):
+        for task in tasks(pid):
             try:
                 todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
             except OSError:

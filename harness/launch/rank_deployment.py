@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import deadline, warm
+from harness import deadline, host_load, warm
 from harness.api import (
     DEFAULT_TIMEOUT_S,
     JSON,
@@ -84,7 +84,7 @@ class RankDeployment(Deployment):
     def _prepare_spawn(self) -> None:
         """Before the first rank starts: boot the warm fork server (once per process), so the ranks'
         measured starts are their own."""
-        warm.context()
+        warm.context(warm.engine_preload(self._engine))
 
     def _spawn_rank(self, rank: int, start_timeout: float = START_TIMEOUT) -> RankProcess:
         """Start receiver rank `rank` (first start and restarts); a subclass may place it elsewhere."""
@@ -121,7 +121,9 @@ class RankDeployment(Deployment):
         # a pause, not a longer phase: the phase keeps its budget for its own work whatever the restart
         # took, and a restart is judged by what starting a rank measured here, not by the phase's slack;
         # the supervisor's own kill fires first, with its specific error; the watch is the backstop
-        with deadline.paused(what, budget + KILL_S + POLL_INTERVAL) as watched:
+        # the start's own deadline moves by what the host kept it waiting for a CPU (RankProcess): so may this
+        backstop = budget * (1 + host_load.MAX_EXTENSION) + KILL_S + POLL_INTERVAL
+        with deadline.paused(what, backstop) as watched:
             try:
                 return self._spawn_rank(rank, budget if watched else START_TIMEOUT)
             except RankFailure as exc:

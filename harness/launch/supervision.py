@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness import error_codec, warm, wire
+from harness import error_codec, host_load, warm, wire
 from harness.api import RankFailure, WeightSpec
 from harness.launch.rank_server import rank_main
 from harness.procs import describe_exit, process_state
@@ -270,7 +270,9 @@ class RankProcess:
         self._broken: str | None = None
         self._sent: collections.deque[PendingCall] = collections.deque()  # begun, reply not read yet
         with self._lock, self._running("start"):
-            self._reply("start", start_timeout)
+            # a start is the rank's own work (building its engine, a CUDA context on a GPU): where the host
+            # keeps its threads waiting for a CPU, its deadline moves by that wait, as a phase's does
+            self._reply("start", start_timeout, meter=self._own_run_queue())
 
     @property
     def pid(self) -> int | None:
@@ -395,11 +397,31 @@ class RankProcess:
             f"({holder}; the rank is left to that call's deadline)"
         )
 
-    def _reply(self, op: str, timeout: float, behind: tuple[str, float, float] | None = None):
+    def _own_run_queue(self) -> host_load.RunQueueMeter:
+        """The time this rank's threads waited for a CPU (host_load), from now."""
+        pid = self.process.pid
+        meter = host_load.RunQueueMeter(lambda: [(pid, tid) for tid in host_load.tasks(pid)])
+        meter.reset()
+        return meter
+
+    def _reply(
+        self,
+        op: str,
+        timeout: float,
+        behind: tuple[str, float, float] | None = None,
+        meter: host_load.RunQueueMeter | None = None,
+    ):
         """The reply to `op`, within `timeout` (then the rank is killed); `behind`, a call waiting for this
-        reply before it can send its own (op, timeout, deadline): RankBusy at its deadline, nothing killed."""
+        reply before it can send its own (op, timeout, deadline): RankBusy at its deadline, nothing killed.
+        `meter`: the deadline moves by what it measured the rank waiting for a CPU (at most
+        host_load.MAX_EXTENSION x `timeout`: a rank spinning forever on a loaded host still meets one)."""
         deadline = time.monotonic() + timeout
+        waited = 0.0
         while not self._ready():
+            if meter is not None:
+                meter.sample()
+                grown = min(meter.waited_s(), host_load.MAX_EXTENSION * timeout)
+                deadline, waited = deadline + grown - waited, grown
             if behind is not None and time.monotonic() > behind[2] and time.monotonic() <= deadline:
                 raise RankBusy(self._busy_message(behind[0], behind[1]))
             if not self.process.is_alive():
@@ -418,7 +440,8 @@ class RankProcess:
                 # holding a CUDA context took 1-2 s more to end on the H200, past the 2x-timeout bound)
                 self.process.join(REAP_WAIT_S)
                 why = "it was stopped (SIGSTOP)" if stopped else f"stacks in {self.log_path}"
-                self._broken = f"no reply to {op} within {timeout:g}s (killed; {why})"
+                kept = f" + {waited:.2f}s the host kept it waiting for a CPU" if waited else ""
+                self._broken = f"no reply to {op} within {timeout:g}s{kept} (killed; {why})"
                 raise RankFailure(
                     f"rank {self.rank} (pid {self.pid}) gave {self._broken}; log tail:\n{self.log_tail(40)}"
                 )
