@@ -42,14 +42,16 @@ _booted: mp.context.BaseContext | None = None
 boot_s: float | None = None
 
 
-def context() -> mp.context.BaseContext:
+def context(preload: tuple[str, ...] = ()) -> mp.context.BaseContext:
     """The forkserver context, its server booted (PRELOAD imported) before this returns: the first call
-    pays the imports, once per process; a process it starts after that is a fork of the warm server."""
+    pays the imports, once per process; a process it starts after that is a fork of the warm server.
+    `preload`: more modules the server imports when it boots (an engine's own, `engine_preload`); asked
+    for after the boot, a child imports them itself, as it would without the server."""
     global _booted, boot_s
     with _lock:
         if _booted is None or not _server_alive():  # a server that died is booted again, here
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(list(PRELOAD))
+            ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *preload))))
             t0 = time.monotonic()
             probe = ctx.Process(target=_noop, name="weightsync-warm-probe", daemon=True)
             probe.start()  # answered once the server has imported PRELOAD
@@ -57,6 +59,24 @@ def context() -> mp.context.BaseContext:
             boot_s = time.monotonic() - t0
             _booted = ctx
         return _booted
+
+
+def engine_preload(engine: str | None) -> tuple[str, ...]:
+    """What a rank serving `engine` (a name or 'pkg.module:factory') imports before it can build one: the
+    factory's module and the modules it names in WARM_PRELOAD (vLLM's import: 16 s on a loaded 2-core host,
+    paid again by every rank restart without the server)."""
+    if engine is None:
+        return ()
+    import importlib
+
+    from harness.registry import engine_path
+
+    module_name = engine_path(engine).partition(":")[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:  # the rank says why when it builds the engine
+        return ()
+    return (module_name, *getattr(module, "WARM_PRELOAD", ()))
 
 
 def _server_alive() -> bool:

@@ -59,6 +59,10 @@ from harness.engines.vllm_constants import INITIAL_VERSION
 from harness.engines.vllm_settings import DEFAULT_KV_CACHE_BYTES, VllmSettings, cpu_thread_binding
 from harness.paths.disk import DiskSender
 
+#: What a rank's warm fork server imports for this engine (harness.warm.engine_preload): vLLM's own import
+#: takes seconds (16 s on a loaded 2-core host), which every rank (re)start would pay again.
+WARM_PRELOAD = ("vllm.entrypoints.llm", "vllm.inputs", "vllm.sampling_params")
+
 
 # --------------------------------------------------------------------------------------------- in-process
 class InProcessVllm(VllmEngine):
