@@ -11,7 +11,7 @@ from harness import bench, ceilings
 from harness.backends.broadcast import BroadcastBackend
 from harness.report import FAIL, decide
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.meta]
+pytestmark = [pytest.mark.multiproc, pytest.mark.meta, pytest.mark.serial]  # throughput rows: alone
 
 SIZE = 16 << 20
 PIECE = 4 << 10  # the broken ceiling's message size: 4,096 messages where the path sends a few

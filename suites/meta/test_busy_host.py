@@ -33,7 +33,7 @@ from harness.launch.supervision import KILL_S
 from harness.registry import resolve_backend
 from suites.meta.broken import HANG_START_ENV, NoRestartBackend
 
-pytestmark = [pytest.mark.meta, pytest.mark.multiproc]
+pytestmark = [pytest.mark.meta, pytest.mark.multiproc, pytest.mark.serial]  # makes its own load
 
 HOGS_PER_CORE = 2
 

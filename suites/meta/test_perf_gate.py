@@ -13,7 +13,7 @@ pytest_plugins = ["pytester"]
 
 SLOW = "suites.meta.broken:make_needless_copy_broadcast_backend"
 FLOOR = 0.25  # healthy broadcast at 64 MiB on 2 cores: 0.42-0.65
-pytestmark = [pytest.mark.multiproc, pytest.mark.meta]
+pytestmark = [pytest.mark.multiproc, pytest.mark.meta, pytest.mark.serial]  # throughput rows: alone
 
 
 def _run(pytester, backend, *args):

@@ -19,7 +19,7 @@ import pytest
 from harness.procs import pid_alive, process_state
 from harness.stopping import STOP_BOUND_S, descendants
 
-pytestmark = [pytest.mark.meta, pytest.mark.multiproc]
+pytestmark = [pytest.mark.meta, pytest.mark.multiproc, pytest.mark.serial]  # stop bounds
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "CI": "true"}

@@ -17,7 +17,7 @@ import pytest
 from harness import bench
 from harness.throughput_model import fit_line, fit_paths
 
-pytestmark = pytest.mark.meta
+pytestmark = [pytest.mark.meta, pytest.mark.serial]  # throughput rows: alone
 
 MIB, GIB = 1 << 20, 1 << 30
 H200 = {"fixed_s": 5e-3, "bw": 1425e9, "verified_bw": 1427e9, "raw_bw": 2140e9, "kind": "device-copy"}
