@@ -493,14 +493,19 @@ def own_segments(pid: int | None = None) -> list[str]:
 
 def sweep_abandoned_segments() -> list[str]:
     """Unlink the segments of trainers that died (their pid is gone): a SIGKILLed trainer cannot
-    release what it allocated, and its resource tracker may have died with it."""
+    release what it allocated, and its resource tracker may have died with it. Only this user's: on a
+    shared host another user's segment is theirs to release (and /dev/shm's sticky bit refuses it)."""
     removed = []
     for name in live_segments():
         pid = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            try:
-                os.unlink(f"/dev/shm/{name}")
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        path = f"/dev/shm/{name}"
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except (FileNotFoundError, PermissionError):
+            pass
     return removed
