@@ -37,7 +37,8 @@ def _command(backend: str, results: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def columns(tmp_path_factory):
-    """Every backend's column started at once: backend -> (process, command, results file, stdout file)."""
+    """Every backend's column started at once: backend -> (process, command, its folder: results.json and
+    stdout.txt)."""
     runs = {}
     for backend in BACKENDS:
         d = tmp_path_factory.mktemp(f"vllm-faults-{backend}")
