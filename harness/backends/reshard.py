@@ -39,6 +39,7 @@ from harness.api import (
 from harness.engines.tp_reference import TP_MODEL, TPReferenceEngine
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.path import ReshardReceiver, ReshardSender
+from harness.reshard.sync import PLANE_ENV
 from harness.reshard.trainer_ranks import JOIN, TrainerRanks
 
 #: "N,M": trainer ranks and TP size of the run (set by `weightsync ... --trainer-ranks N --tp M` and by
@@ -137,6 +138,11 @@ class ReshardDeployment(Deployment):
             "size": self.world_size,
             "timeout_s": self.timeout_s,
             "join_s": JOIN_S,
+            # the data plane and, on the broadcast plane, what each rank needs to form its groups
+            "plane": self.sender.plane,
+            "trainers": self.n_trainers,
+            "engines": self.tp,
+            "replicas": self.replicas,
         }
         with cf.ThreadPoolExecutor(max_workers=1 + len(self.handles), thread_name_prefix="join") as pool:
             futures = [pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, JOIN_S + 5)]
@@ -250,7 +256,10 @@ class ReshardBackend(Backend):
     )
     own_engine = (
         "it delivers into its own TP reference engine (harness.engines.tp_reference), whose ranks receive "
-        "the planned shards; the reference engine's name stands for it"
+        "the planned shards; the reference engine's name stands for it. Data plane: point to point for one "
+        "engine, broadcast per engine rank group for two or more (each transfer one broadcast from its "
+        "trainer rank to the copies of its engine rank, where point to point would send it once per "
+        f"engine; {PLANE_ENV} names one)"
     )
 
     def __init__(

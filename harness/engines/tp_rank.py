@@ -29,7 +29,14 @@ from harness.engines.tp_group import (
 from harness.reshard.layout import DTYPES, EngineLayout, ModelShape, engine_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names
-from harness.reshard.sync import EngineShards, receive_shards
+from harness.reshard.sync import (
+    BROADCAST,
+    P2P,
+    EngineShards,
+    join_broadcast_groups,
+    receive_broadcast_shards,
+    receive_shards,
+)
 
 # the commands a leader sends (tp_reference.TPReferenceEngine) and every rank serves
 STEP, STAGE, COMMIT, DISCARD, READ, STOP = "step", "stage", "commit", "discard", "read", "stop"
@@ -67,6 +74,8 @@ class TPRank:
         self.world: dist.ProcessGroup | None = None  # the resharded sync's world, once joined
         self.world_rank: int | None = None
         self._broken_worlds: list[dist.ProcessGroup] = []  # kept: tearing down a failed gloo group may block
+        self.plane = P2P  # the world's data plane; on the broadcast plane, this rank's groups in it
+        self.groups: dict[tuple[int, int], object] = {}
         self._plans: dict[tuple, object] = {}
         self.reset()
 
@@ -170,6 +179,12 @@ class TPRank:
             dist.PrefixStore(w["prefix"], store), self.world_rank, w["size"], join
         )
         self.world_timeout_s = w["timeout_s"]
+        self._broken_worlds += [g.pg for g in self.groups.values()]
+        self.plane = w.get("plane", P2P)
+        replica = (w["base"] - w.get("trainers", 0)) // self.m
+        self.groups = (
+            join_broadcast_groups(w, "engine", self.rank, replica) if self.plane == BROADCAST else {}
+        )
 
     def receive(self, p: dict) -> list[list]:
         """Receive this rank's planned transfers of version `p["version"]` (checkpoint names `p["names"]`,
@@ -186,7 +201,10 @@ class TPRank:
                     self.shape, p["trainers"], self.m, self.dtype, p["names"], p["planner"]
                 )
             shards = EngineShards(plan, self.rank)
-            moved = receive_shards(plan, self.rank, shards, pg=self.world, timeout_s=self.world_timeout_s)
+            if self.plane == BROADCAST:
+                moved = receive_broadcast_shards(plan, self.rank, shards, self.groups)
+            else:
+                moved = receive_shards(plan, self.rank, shards, pg=self.world, timeout_s=self.world_timeout_s)
             tied = plan.tied()
             got = {n: t for n, t in shards.tensors.items() if n not in tied}
             self.check_digests(p["version"], got, p["digests"])

@@ -38,6 +38,7 @@ from harness.paths.ipc import sweep_abandoned_segments
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names, planner_path
+from harness.reshard.sync import BROADCAST, data_plane
 from harness.reshard.trainer_ranks import SEND, TrainerRanks
 
 #: /dev/shm files of a version's full tensors: named as the ipc path names its segments (`wsync-<pid>-`),
@@ -70,6 +71,8 @@ class ReshardSender(Sender):
         self._send: dict | None = None
         #: bytes each trainer rank sent in the last transmit (all replicas), rank 0 first
         self.sent_bytes: list[int] = []
+        #: the data plane (p2p: each transfer sent to every replica; broadcast: once per engine rank group)
+        self.plane, self.plane_why = data_plane(replicas)
         self.planner = planner_path()
         sweep_abandoned_segments()  # a trainer SIGKILLed mid-push could not remove its version's file
 
@@ -139,6 +142,11 @@ class ReshardSender(Sender):
             for live, t in expected_engine_shards(full, plan.engine, r).items()
             if live not in tied
         ]
+
+    def expected_sent(self, plan_total: int) -> int:
+        """What the trainer ranks hand the library per version for a plan moving `plan_total` bytes into
+        one replica: every replica's copy point to point, one copy on the broadcast plane."""
+        return plan_total if self.plane == BROADCAST else self.replicas * plan_total
 
     def transmit(self) -> None:
         if self._send is None:

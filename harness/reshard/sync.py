@@ -12,6 +12,7 @@ bounds a peer that never answers)."""
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Callable, Mapping
 
@@ -41,6 +42,23 @@ def choose_data_plane(replicas: int) -> tuple[str, str]:
     return P2P, "one replica: a broadcast to one engine rank is a send, and its group one rendezvous more"
 
 
+#: the data plane of the `reshard` backend's worlds: "auto" (choose_data_plane), "p2p" or "broadcast"
+PLANE_ENV = "WEIGHTSYNC_RESHARD_PLANE"
+
+
+def data_plane(replicas: int, asked: str | None = None) -> tuple[str, str]:
+    """The data plane a world of `replicas` engine replicas uses, and why: `asked` (else PLANE_ENV, else
+    "auto", which chooses)."""
+    asked = asked or os.environ.get(PLANE_ENV) or "auto"
+    if asked == "auto":
+        return choose_data_plane(replicas)
+    if asked not in DATA_PLANES:
+        raise ValueError(f"{PLANE_ENV}={asked!r}: expected auto, {' or '.join(DATA_PLANES)}")
+    if asked == BROADCAST and replicas < 2:
+        raise ValueError(f"the broadcast plane needs 2 engine replicas or more, not {replicas}")
+    return asked, f"named by {PLANE_ENV}={asked}"
+
+
 def rank_groups(n_trainers: int, n_engines: int, replicas: int) -> list[tuple[int, int, list[int]]]:
     """[(trainer rank, engine rank, world ranks of its group)]: for every (trainer rank, engine rank) pair,
     the trainer rank and that engine rank on every replica (their world ranks), in the order every rank of
@@ -50,6 +68,44 @@ def rank_groups(n_trainers: int, n_engines: int, replicas: int) -> list[tuple[in
         for s in range(n_trainers)
         for d in range(n_engines)
     ]
+
+
+class GroupBroadcast:
+    """One broadcast group of the plane held as a process group object (not registered with
+    torch.distributed's default world, as a process that belongs to several worlds holds its groups): the
+    trainer rank is its rank 0; each broadcast's wait is bounded by `timeout_s`."""
+
+    def __init__(self, pg: dist.ProcessGroup, timeout_s: float | None):
+        self.pg, self.timeout_s = pg, timeout_s
+
+    def post(self, buf: torch.Tensor):
+        return _Bounded(self.pg.broadcast([buf], _ROOT_IS_TRAINER), self.timeout_s)
+
+
+_ROOT_IS_TRAINER = dist.BroadcastOptions()
+_ROOT_IS_TRAINER.rootRank = 0
+
+
+def join_broadcast_groups(
+    world: Mapping, role: str, rank: int, replica: int = 0
+) -> dict[tuple[int, int], GroupBroadcast]:
+    """The broadcast plane's groups that trainer rank `rank` (role "trainer") or engine rank `rank` of
+    `replica` (role "engine") belongs to, formed over the world's store (`world`: port, prefix, join_s,
+    timeout_s, trainers, engines, replicas) as one process group each: (trainer rank, engine rank) -> its
+    group. Every rank forms its groups in `rank_groups` order, one order for the whole world, so no two
+    ranks wait on each other's next group."""
+    join = datetime.timedelta(seconds=world["join_s"])
+    store = dist.TCPStore("127.0.0.1", world["port"], world["size"], is_master=False, timeout=join)
+    groups = {}
+    for s, d, members in rank_groups(world["trainers"], world["engines"], world["replicas"]):
+        if (role == "trainer" and s != rank) or (role == "engine" and d != rank):
+            continue
+        prefix = dist.PrefixStore(f"{world['prefix']}/broadcast-{s}-{d}", store)
+        me = 0 if role == "trainer" else 1 + replica
+        groups[(s, d)] = GroupBroadcast(
+            dist.ProcessGroupGloo(prefix, me, len(members), join), world["timeout_s"]
+        )
+    return groups
 
 
 class EngineShards:
@@ -260,10 +316,11 @@ def _post(
 def _post_broadcast(buf: torch.Tensor, t: Transfer, i: int, role: str, rank: int, plan: ReshardPlan, groups):
     """Post transfer `t`'s broadcast from its trainer rank to its engine rank group (the same call on
     every member, in plan order, so each group's collectives match)."""
+    group = groups[(t.src, t.dst)]
     try:
-        return dist.broadcast(
-            buf, src=plan.world_rank("trainer", t.src), group=groups[(t.src, t.dst)], async_op=True
-        )
+        if isinstance(group, GroupBroadcast):
+            return group.post(buf)
+        return dist.broadcast(buf, src=plan.world_rank("trainer", t.src), group=group, async_op=True)
     except Exception as exc:  # gloo raises RuntimeError / DistBackendError: named and re-raised
         raise _transfer_error(exc, t, i, role, rank, 0.0) from exc
 

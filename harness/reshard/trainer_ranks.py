@@ -25,7 +25,7 @@ from harness.procs import describe_exit, process_state
 from harness.reshard.gpu_bench import views
 from harness.reshard.layout import DTYPES, ModelShape, chunk_rows
 from harness.reshard.plan import plan_for_names
-from harness.reshard.sync import send_shards
+from harness.reshard.sync import BROADCAST, P2P, broadcast_shards, join_broadcast_groups, send_shards
 
 JOIN, SEND, PING, STOP = "join", "send", "ping", "stop"
 #: How long a rank waits for its next command: a trainer that went away closes the pipe first
@@ -57,6 +57,8 @@ class _Rank:
         self.broken: list[dist.ProcessGroup] = []  # a failed gloo group is kept: its teardown may block
         self.plans: dict[tuple, Any] = {}
         self._mapped: tuple | None = None
+        self.plane = P2P  # the world's data plane; on the broadcast plane, this rank's groups
+        self.groups: dict[tuple[int, int], Any] = {}
 
     def join(self, w: dict) -> None:
         join = datetime.timedelta(seconds=w["join_s"])  # forming the world: every rank connects to every rank
@@ -65,6 +67,9 @@ class _Rank:
         store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
         self.world = dist.ProcessGroupGloo(dist.PrefixStore(w["prefix"], store), self.rank, w["size"], join)
         self.timeout_s = w["timeout_s"]  # each transfer's bound
+        self.broken += [g.pg for g in self.groups.values()]
+        self.plane = w.get("plane", P2P)
+        self.groups = join_broadcast_groups(w, "trainer", self.rank) if self.plane == BROADCAST else {}
 
     def mapped(self, path: str, layout, dtype: str) -> dict[str, torch.Tensor]:
         """The version's full tensors, mapped (the mapping of the last version again where the trainer
@@ -86,6 +91,8 @@ class _Rank:
             )
         full = self.mapped(p["path"], p["layout"], p["dtype"])
         local = local_shards({n: full[n] for n in p["names"]}, p["trainers"], self.rank)
+        if self.plane == BROADCAST:  # each transfer once, to its engine rank on every replica
+            return broadcast_shards(plan, self.rank, local, self.groups)
         return send_shards(
             plan, self.rank, local, replicas=p["replicas"], pg=self.world, timeout_s=self.timeout_s
         )

@@ -1,6 +1,8 @@
 """The reshard backend's bytes against its plan: every engine rank of every replica receives exactly the
-plan's minimum for it, and the trainer ranks hand the library R x the plan's total (point to point, one
-send per replica). Times are printed beside the bytes (GB/s over the engine ranks' bytes), not gated."""
+plan's minimum for it, and the trainer ranks hand the library R x the plan's total point to point (one
+send per replica), the plan's total once on the broadcast plane (one broadcast per engine rank group, what
+the backend chooses for 2 replicas or more). Times are printed beside the bytes (GB/s over the engine
+ranks' bytes), not gated."""
 
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ import torch
 
 from harness.backends.reshard import ReshardBackend
 from harness.deployment import push
+from harness.reshard.sync import PLANE_ENV
 
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_each_engine_rank_receives_the_plans_minimum_bytes(tmp_path, replicas):
+@pytest.mark.parametrize(("replicas", "plane"), [(1, "p2p"), (2, "p2p"), (2, "broadcast")])
+def test_each_engine_rank_receives_the_plans_minimum_bytes(tmp_path, monkeypatch, replicas, plane):
+    monkeypatch.setenv(PLANE_ENV, plane)
     backend = ReshardBackend(trainer_ranks=3, tp=2, timeout_s=30.0)
     with backend.deploy(replicas, None, str(tmp_path)) as dep:
+        assert dep.sender.plane == plane, (dep.sender.plane, dep.sender.plane_why)
         spec = dep.handles[0].engine.weight_spec()
         plan = dep.sender.plan(list(spec))
         minimum = plan.minimum_bytes()
@@ -39,13 +44,14 @@ def test_each_engine_rank_receives_the_plans_minimum_bytes(tmp_path, replicas):
                     "rerun: pytest suites/performance/test_reshard_backend.py"
                 )
             sent = sum(dep.sender.sent_bytes)
-            assert sent == replicas * minimum["total"], (
-                f"the trainer ranks sent {dep.sender.sent_bytes} (sum {sent}) for {replicas} replica(s); "
-                f"expected {replicas} x {minimum['total']}"
+            copies = replicas if plane == "p2p" else 1  # a broadcast hands each transfer over once
+            assert sent == copies * minimum["total"], (
+                f"the trainer ranks sent {dep.sender.sent_bytes} (sum {sent}) for {replicas} replica(s) on the "
+                f"{plane} plane; expected {copies} x {minimum['total']}"
             )
         median = statistics.median(times[1:])
         moved = replicas * minimum["total"]
         print(
-            f"reshard 3 -> {replicas} x TP 2: {moved} B per push, median {median * 1e3:.1f} ms "
+            f"reshard 3 -> {replicas} x TP 2 ({plane}): {moved} B per push, median {median * 1e3:.1f} ms "
             f"({moved / median / 1e9:.4f} GB/s), each engine rank at its minimum"
         )
