@@ -46,6 +46,7 @@ from harness.engines.vllm_adapter import (
     refuse_foreign_spec,
     tiny_model_dir,
 )
+from harness.engines.vllm_cores import pin_engine_core
 from harness.engines.vllm_settings import BACKEND, DEFAULT_KV_CACHE_BYTES, VllmSettings
 
 STARTUP_TIMEOUT_S = 300.0
@@ -133,6 +134,7 @@ class VllmServerProcess:
         except BaseException:
             self.stop()
             raise
+        pin_engine_core(self.proc.pid)  # on a small host, the last CPU is left to the API server
 
     def wait_healthy(self, timeout: float) -> None:
         assert self.proc is not None
