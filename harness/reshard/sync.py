@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from harness.api import ManifestMismatch, TransferError
+from harness.api import BackendError, ManifestMismatch, TransferError
 from harness.reshard.layout import DTYPES, REPLICATE
 from harness.reshard.plan import ReshardPlan, Transfer, world_rank
 
@@ -53,9 +53,9 @@ def data_plane(replicas: int, asked: str | None = None) -> tuple[str, str]:
     if asked == "auto":
         return choose_data_plane(replicas)
     if asked not in DATA_PLANES:
-        raise ValueError(f"{PLANE_ENV}={asked!r}: expected auto, {' or '.join(DATA_PLANES)}")
+        raise BackendError(f"{PLANE_ENV}={asked!r}: expected auto, {' or '.join(DATA_PLANES)}")
     if asked == BROADCAST and replicas < 2:
-        raise ValueError(f"the broadcast plane needs 2 engine replicas or more, not {replicas}")
+        raise BackendError(f"{PLANE_ENV}=broadcast needs 2 engine replicas or more, not {replicas}")
     return asked, f"named by {PLANE_ENV}={asked}"
 
 

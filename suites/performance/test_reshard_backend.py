@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from harness.api import BackendError
 from harness.backends.reshard import ReshardBackend
 from harness.deployment import push
 from harness.reshard.sync import PLANE_ENV
@@ -55,3 +56,12 @@ def test_each_engine_rank_receives_the_plans_minimum_bytes(tmp_path, monkeypatch
             f"reshard 3 -> {replicas} x TP 2 ({plane}): {moved} B per push, median {median * 1e3:.1f} ms "
             f"({moved / median / 1e9:.4f} GB/s), each engine rank at its minimum"
         )
+
+
+@pytest.mark.parametrize(("plane", "replicas"), [("broadcast", 1), ("bogus", 2)])
+def test_a_data_plane_that_cannot_be_is_refused_at_deploy_naming_the_setting(
+    tmp_path, monkeypatch, plane, replicas
+):
+    monkeypatch.setenv(PLANE_ENV, plane)
+    with pytest.raises(BackendError, match=PLANE_ENV):
+        ReshardBackend(trainer_ranks=3, tp=2, timeout_s=30.0).deploy(replicas, None, str(tmp_path))
