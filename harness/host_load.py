@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from harness.procs import descendants, tasks
+
 #: The extension a phase can get, as a multiple of its budget: a spinning hang on a loaded host still ends.
 MAX_EXTENSION = 3.0
 #: How often the phase watch samples (its clock thread wakes this often while a phase runs).
@@ -33,13 +35,6 @@ def _thread_stat(pid: int, tid: int) -> tuple[str, float] | None:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3 of the man page
     return fields[0], (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime (fields 14, 15)
-
-
-def tasks(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
 
 
 class RunQueueMeter:
@@ -107,19 +102,13 @@ def _busy_ticks() -> int:
 def _tree_ticks(root: int) -> int:
     """CPU ticks (user + system) of `root` and every live descendant: this run's own work (its rank
     processes are forks of a fork server it started, so descendants too)."""
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
+    total = 0
+    for pid in [root, *descendants(root)]:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         total += int(fields[11]) + int(fields[12])
-        for task in tasks(pid):
-            try:
-                todo += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-            except OSError:
-                pass
     return total
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 
 def process_state(pid: int | None) -> str:
@@ -28,3 +30,26 @@ def describe_exit(exitcode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def tasks(pid: int) -> list[int]:
+    """The thread ids of process `pid` (none where it is gone)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, parents before their children (/proc's children lists)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in tasks(p):
+            try:
+                children = [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+            except OSError:
+                continue
+            out += children
+            todo += children
+    return out

@@ -70,10 +70,11 @@ class ReshardSyncBench(SyncBench):
                 self.plan_problems.append(
                     f"engine {q} received {receiver.received_bytes} B per rank, plan {want}"
                 )
-        if sum(dep.sender.sent_bytes) != dep.sender.expected_sent(minimum["total"]):
+        expected = dep.sender.expected_sent(minimum["total"])
+        if sum(dep.sender.sent_bytes) != expected:
             self.plan_problems.append(
                 f"trainer ranks sent {dep.sender.sent_bytes} B on the {dep.sender.plane} plane, plan "
-                f"{dep.sender.expected_sent(minimum['total'])} ({dep.replicas} replicas x {minimum['total']})"
+                f"{expected} ({dep.replicas} replicas x {minimum['total']})"
             )
 
     def row(self) -> SyncRow:

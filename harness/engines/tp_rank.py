@@ -183,7 +183,7 @@ class TPRank:
         self.plane = w.get("plane", P2P)
         replica = (w["base"] - w.get("trainers", 0)) // self.m
         self.groups = (
-            join_broadcast_groups(w, "engine", self.rank, replica) if self.plane == BROADCAST else {}
+            join_broadcast_groups(store, w, "engine", self.rank, replica) if self.plane == BROADCAST else {}
         )
 
     def receive(self, p: dict) -> list[list]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from harness.procs import descendants, tasks
+
 PIN_ENV = "WEIGHTSYNC_VLLM_PIN_ENGINE_CORE"
 SMALL_HOST_CPUS = 4
 #: the process names vLLM gives its engine core and worker processes (setproctitle)
@@ -35,19 +37,17 @@ def engine_core_cpus() -> set[int] | None:
     return set(cpus[:-1])
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (/proc's children lists)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
+def engine_processes(server_pid: int) -> dict[int, str]:
+    """The engine core and worker processes under `server_pid`: pid -> the name vLLM gave it."""
+    found = {}
+    for pid in descendants(server_pid):
         try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                children = [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-                out += children
-                todo += children
-        except OSError:
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:  # gone meanwhile
             continue
-    return out
+        if name.startswith(PINNED_PROCESSES):
+            found[pid] = name
+    return found
 
 
 def pin_engine_core(server_pid: int) -> list[int]:
@@ -57,14 +57,11 @@ def pin_engine_core(server_pid: int) -> list[int]:
     if cpus is None:
         return []
     pinned = []
-    for pid in descendants(server_pid):
+    for pid in engine_processes(server_pid):
         try:
-            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            if not name.startswith(PINNED_PROCESSES):
-                continue
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.sched_setaffinity(int(tid), cpus)
-            pinned.append(pid)
+            for tid in tasks(pid):
+                os.sched_setaffinity(tid, cpus)
         except OSError:  # gone meanwhile
             continue
+        pinned.append(pid)
     return pinned

@@ -87,15 +87,14 @@ _ROOT_IS_TRAINER.rootRank = 0
 
 
 def join_broadcast_groups(
-    world: Mapping, role: str, rank: int, replica: int = 0
+    store: dist.Store, world: Mapping, role: str, rank: int, replica: int = 0
 ) -> dict[tuple[int, int], GroupBroadcast]:
     """The broadcast plane's groups that trainer rank `rank` (role "trainer") or engine rank `rank` of
-    `replica` (role "engine") belongs to, formed over the world's store (`world`: port, prefix, join_s,
-    timeout_s, trainers, engines, replicas) as one process group each: (trainer rank, engine rank) -> its
-    group. Every rank forms its groups in `rank_groups` order, one order for the whole world, so no two
-    ranks wait on each other's next group."""
+    `replica` (role "engine") belongs to, formed over the world's `store` (the client the rank joined the
+    world with; `world`: prefix, join_s, timeout_s, trainers, engines, replicas) as one process group each:
+    (trainer rank, engine rank) -> its group. Every rank forms its groups in `rank_groups` order, one order
+    for the whole world, so no two ranks wait on each other's next group."""
     join = datetime.timedelta(seconds=world["join_s"])
-    store = dist.TCPStore("127.0.0.1", world["port"], world["size"], is_master=False, timeout=join)
     groups = {}
     for s, d, members in rank_groups(world["trainers"], world["engines"], world["replicas"]):
         if (role == "trainer" and s != rank) or (role == "engine" and d != rank):

@@ -69,7 +69,7 @@ class _Rank:
         self.timeout_s = w["timeout_s"]  # each transfer's bound
         self.broken += [g.pg for g in self.groups.values()]
         self.plane = w.get("plane", P2P)
-        self.groups = join_broadcast_groups(w, "trainer", self.rank) if self.plane == BROADCAST else {}
+        self.groups = join_broadcast_groups(store, w, "trainer", self.rank) if self.plane == BROADCAST else {}
 
     def mapped(self, path: str, layout, dtype: str) -> dict[str, torch.Tensor]:
         """The version's full tensors, mapped (the mapping of the last version again where the trainer

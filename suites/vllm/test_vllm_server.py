@@ -4,7 +4,6 @@ the routes a trainer calls answer with errors it can act on."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -63,19 +62,17 @@ def test_vllm_builds_the_harness_transport_through_its_factory(server_llama):
 def test_on_a_small_host_the_engine_core_leaves_the_last_cpu_to_the_api_server(server_llama):
     """harness/engines/vllm_cores.py: the engine core's spin-wait goes to the worker's CPUs, so a control
     call made while tokens stream is answered at once (measured there)."""
-    from harness.engines.vllm_cores import PINNED_PROCESSES, descendants, engine_core_cpus
+    from harness.engines.vllm_cores import engine_core_cpus, engine_processes
+    from harness.procs import tasks
 
     cpus = engine_core_cpus()
     if cpus is None:
         pytest.skip(f"{len(os.sched_getaffinity(0))} CPUs: vLLM's own placement is kept")
     server = engine_of(server_llama).server
-    found = {}
-    for pid in descendants(server.proc.pid):
-        name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-        if name.startswith(PINNED_PROCESSES):
-            found[f"{name} (pid {pid})"] = {
-                int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")
-            }
+    found = {
+        f"{name} (pid {pid})": {tid: os.sched_getaffinity(tid) for tid in tasks(pid)}
+        for pid, name in engine_processes(server.proc.pid).items()
+    }
     assert len(found) == 2, (
         f"expected vLLM's engine core and worker under pid {server.proc.pid}, found {found}"
     )
