@@ -2,6 +2,8 @@
 #   bash .ci/gpu-run.sh bench   [sizes in MiB...]   (default: 256 1024 4096 16384)
 #   bash .ci/gpu-run.sh certify [certify args...]   (default: every GPU path this host runs, default sizes)
 #   bash .ci/gpu-run.sh profile [pushes]            (default: 200)
+#   bash .ci/gpu-run.sh reshard [certify args...]   (the reshard backend on the GPU: its GPU tests, then
+#                                                    `certify --backend reshard --trainer-ranks 3 --tp 2`)
 # bench: the GPU tests (device digests; engines on the device and the zero-copy CUDA IPC path), then
 #   `weightsync bench --device cuda` per GPU path (one receiver; a bare-lifecycle row is added; each path's
 #   time fitted as fixed + bytes / bandwidth against the verified ceiling).
@@ -46,6 +48,12 @@ elif [ "$mode" = bench ]; then
     cp "$run"/bench-$backend/bench-*/report.md "$OUT/bench-$backend-report.md" 2>/dev/null
   done
 else
+  if [ "$mode" = reshard ]; then  # every trainer and engine rank on this GPU: the ipc plane over CUDA IPC
+    timeout 150 python3 -m pytest suites/performance/test_reshard_backend.py -m gpu -q -s -p no:cacheprovider \
+      > "$run/reshard-gpu-tests.log" 2>&1
+    echo "reshard gpu tests exit $?"; grep -E "passed|failed|Error|ipc plane" "$run/reshard-gpu-tests.log" | tail -8
+    set -- --backend reshard --trainer-ranks 3 --tp 2 "$@"
+  fi
   start=$(date +%s)
   timeout ${CERTIFY_TIMEOUT_S:-560} python3 -m harness.cli certify --device cuda --out "$run" "$@" > "$run/certify.log" 2>&1
   echo "certify exit $? after $(( $(date +%s) - start )) s"

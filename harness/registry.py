@@ -80,7 +80,7 @@ def resolve_backend(name: str, device: str | None = None) -> Backend:
         )
     path = (BUILTIN_GPU_BACKENDS.get(name) if on_gpu else None) or BUILTIN_BACKENDS.get(name)
     path = path or EXTRA_BACKENDS.get(name) or NAMED_BACKENDS.get(name, name)
-    if on_gpu and name in NAMED_BACKENDS:
+    if on_gpu and name in NAMED_BACKENDS and not takes_device(load_object(NAMED_BACKENDS[name])):
         raise BackendError(f"backend {name!r} has no GPU variant yet (its code path runs on gloo)")
     if ":" not in path:
         known = sorted({**BUILTIN_BACKENDS, **EXTRA_BACKENDS, **NAMED_BACKENDS})

@@ -53,7 +53,10 @@ class ReshardSyncBench(SyncBench):
             backend.with_model(model), BARE_PAYLOAD_BYTES, receivers, workdir, gate, None, repeats
         )
         gen = torch.Generator().manual_seed(size)
-        self.weights = {n: torch.randn(s, generator=gen) * 0.02 for n, s in model.checkpoint_shapes().items()}
+        self.weights = {  # where the trainer holds them: the GPU variant's on its device (self.device)
+            n: (torch.randn(s, generator=gen) * 0.02).to(self.device)
+            for n, s in model.checkpoint_shapes().items()
+        }
         self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         self._versions = _versions(self.weights, 0.0, repeats * ROW_ROUNDS + 1)
         self.last = self.weights

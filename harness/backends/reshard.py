@@ -9,7 +9,7 @@ tensor-parallel engines of M ranks each (issue 39 item 1).
                                                       commits on every rank or none (vote-then-swap)
 
 One gloo world of N + R x M ranks (trainers first, then each engine's ranks: `plan.world_rank`), its store
-hosted here; after a failed sync `recover()` replaces what died or hung and every rank joins a new world.
+hosted here (on the ipc plane, the GPU variant's, the bytes move through buffers the store names, not gloo); after a failed sync `recover()` replaces what died or hung and every rank joins a new world.
 The shape comes from the command line (`weightsync certify --backend reshard --trainer-ranks N --tp M`),
 carried to every process of the run as the device is (`RESHARD_ENV`)."""
 
@@ -39,7 +39,7 @@ from harness.api import (
 from harness.engines.tp_reference import TP_MODEL, TPReferenceEngine
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.path import ReshardReceiver, ReshardSender
-from harness.reshard.sync import PLANE_ENV
+from harness.reshard.sync import IPC, PLANE_ENV
 from harness.reshard.trainer_ranks import JOIN, TrainerRanks
 
 #: "N,M": trainer ranks and TP size of the run (set by `weightsync ... --trainer-ranks N --tp M` and by
@@ -50,6 +50,15 @@ DTYPE = "float32"  # the TP engine's
 #: How long forming a world may take (N + R x M processes connecting pairwise: seconds on a loaded 2-core
 #: host, past a fault cell's 4 s timeout); each transfer in it is bounded by the deployment's timeout
 JOIN_S = 30.0
+#: The GPU variant's gate (every rank on one GPU, the ipc plane), until measured on the H100/H200: a
+#: version is copied three times on the device (into the trainer's staging buffer, into each trainer
+#: rank's shard, into each engine rank's shard) and digested twice, where the device-copy ceiling copies it
+#: once; every sync is ~10 round trips to processes (trainer ranks' pipes, the TP group's commands)
+GPU_BANDWIDTH_FLOOR, GPU_FIXED_COST_MS = 0.2, 80.0
+GPU_FLOOR_REASON = (
+    "three device copies of each version (trainer staging, each trainer rank's shard, each engine rank's "
+    "shard) and two digests, where the device-copy ceiling copies once: at best 1/3 of it"
+)
 #: engines it delivers into: its own TP engine whatever the run names (the engine is half of the path),
 #: so the reference engine's name and the fault cells' wrapper are taken as "the engine under test"
 SERVED_ENGINES = (None, DEFAULT_ENGINE, "harness.faults.engines:make_engine", "reference")
@@ -87,9 +96,15 @@ class ReshardDeployment(Deployment):
     """N trainer rank processes and `replicas` TP engines of `tp` ranks, one gloo world."""
 
     def __init__(
-        self, n_trainers: int, tp: int, replicas: int, timeout_s: float, model: ModelShape = TP_MODEL
+        self,
+        n_trainers: int,
+        tp: int,
+        replicas: int,
+        timeout_s: float,
+        model: ModelShape = TP_MODEL,
+        device: str = "cpu",
     ):
-        self.timeout_s, self.model = timeout_s, model
+        self.timeout_s, self.model, self.device = timeout_s, model, device
         self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
         self.restarts = 0
         self.handles: list[EngineHandle] = []
@@ -103,7 +118,7 @@ class ReshardDeployment(Deployment):
                 engine = self._engine()
                 self.receivers.append(ReshardReceiver(engine, f"engine {i}"))
                 self.handles.append(EngineHandle(self.receivers[-1], engine))
-            self.sender = ReshardSender(self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s)
+            self.sender = ReshardSender(self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s, device)
             self.own_engine = ReshardBackend.own_engine
             self.connect()
         except BaseException:
@@ -111,7 +126,9 @@ class ReshardDeployment(Deployment):
             raise
 
     def _engine(self) -> TPReferenceEngine:
-        return TPReferenceEngine(self.model, tp=self.tp, dtype=DTYPE, timeout_s=self.timeout_s)
+        return TPReferenceEngine(
+            self.model, tp=self.tp, dtype=DTYPE, timeout_s=self.timeout_s, device=self.device
+        )
 
     @property
     def world_size(self) -> int:
@@ -140,6 +157,7 @@ class ReshardDeployment(Deployment):
             "join_s": JOIN_S,
             # the data plane and, on the broadcast plane, what each rank needs to form its groups
             "plane": self.sender.plane,
+            "device": self.device,  # where every rank's shards live (the ipc plane's buffers)
             "trainers": self.n_trainers,
             "engines": self.tp,
             "replicas": self.replicas,
@@ -259,7 +277,8 @@ class ReshardBackend(Backend):
         "the planned shards; the reference engine's name stands for it. Data plane: point to point for one "
         "engine, broadcast per engine rank group for two or more (each transfer one broadcast from its "
         "trainer rank to the copies of its engine rank, where point to point would send it once per "
-        f"engine; {PLANE_ENV} names one)"
+        "engine); on a GPU, every rank on it, ipc (each engine rank copies its slices out of the trainer "
+        f"ranks' shards through CUDA IPC handles; on the host, /dev/shm); {PLANE_ENV} names one"
     )
 
     def __init__(
@@ -267,7 +286,18 @@ class ReshardBackend(Backend):
         trainer_ranks: int = DEFAULT_TRAINER_RANKS,
         tp: int = DEFAULT_TP,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        device: str = "cpu",
     ):
+        self.device = device
+        if (
+            device != "cpu"
+        ):  # every rank on this GPU: the ipc plane, device to device (sync.choose_data_plane)
+            self.ceiling = "device-copy"
+            self.bandwidth_floor = GPU_BANDWIDTH_FLOOR
+            self.fixed_cost_ms = GPU_FIXED_COST_MS
+            self.floor_reason = GPU_FLOOR_REASON
+        elif os.environ.get(PLANE_ENV) == IPC:  # named: engine ranks copy out of /dev/shm
+            self.ceiling = "memcpy"
         if trainer_ranks < 1 or tp < 1:
             raise BackendError(f"reshard: trainer ranks {trainer_ranks} and tp {tp} must be >= 1")
         try:
@@ -277,6 +307,7 @@ class ReshardBackend(Backend):
         self.trainer_ranks, self.tp, self.timeout_s = trainer_ranks, tp, timeout_s
         self.model = TP_MODEL
         self.capabilities = Capabilities(
+            gpu=device != "cpu",
             dtypes=frozenset({DTYPES[DTYPE]}),
             multi_receiver=True,
             max_receivers=2,  # N + 2 x M processes: what a 2-core, 8 GiB tier holds beside the other paths
@@ -301,10 +332,13 @@ class ReshardBackend(Backend):
             )
         model = dataclasses.replace(self.model, tied=request.engine in TIED_ENGINES)
         check_spec(request.spec, model)
-        return ReshardDeployment(self.trainer_ranks, self.tp, request.n_receivers, self.timeout_s, model)
+        return ReshardDeployment(
+            self.trainer_ranks, self.tp, request.n_receivers, self.timeout_s, model, self.device
+        )
 
 
-def make_backend() -> ReshardBackend:
-    """The run's shape (RESHARD_ENV: `--trainer-ranks N --tp M`), else 3 trainer ranks into TP 2."""
+def make_backend(device: str = "cpu") -> ReshardBackend:
+    """The run's shape (RESHARD_ENV: `--trainer-ranks N --tp M`), else 3 trainer ranks into TP 2; on a GPU
+    `device`, every trainer and engine rank on it (the ipc plane: CUDA IPC handles)."""
     n, m = shape_from_env()
-    return ReshardBackend(n, m)
+    return ReshardBackend(n, m, device=device)

@@ -55,16 +55,18 @@ class GlooCollectives:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            t = t.contiguous()
-            self.pg.allreduce([t]).wait()
+            host = t.contiguous().cpu()  # gloo sums host memory: a GPU rank's partial goes by the host
+            self.pg.allreduce([host]).wait()
+            t = host.to(t.device)
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if self.size == 1:
             return [t]
-        out = [torch.empty_like(t) for _ in range(self.size)]
-        self.pg.allgather([out], [t.contiguous()]).wait()
-        return out
+        host = t.contiguous().cpu()
+        out = [torch.empty_like(host) for _ in range(self.size)]
+        self.pg.allgather([out], [host]).wait()
+        return [o.to(t.device) for o in out]
 
 
 def send_command(pg: dist.ProcessGroup, op: str, payload: Any) -> None:

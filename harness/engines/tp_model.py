@@ -82,14 +82,18 @@ def forward(
     appended after `cache`, and this rank's grown cache. Every rank of the group must call it with the
     same tokens: each all-reduce and all-gather waits for all M."""
     start = 0 if not cache else cache[0][0].shape[1]
-    ids = torch.tensor(tokens, dtype=torch.long)
-    pos = torch.arange(start, start + len(tokens))
     embed = shards["model.embed_tokens.weight"]
+    ids = torch.tensor(tokens, dtype=torch.long, device=embed.device)
+    pos = torch.arange(start, start + len(tokens), device=embed.device)
     rows = embed.shape[0]  # padded vocab / m
     local = ids - rank * rows
     mine = (local >= 0) & (local < rows)
     # vocab-parallel lookup: zeros for ids another rank holds; the all-reduce adds the one real row to zeros
-    x = torch.where(mine[:, None], embed[local.clamp(0, rows - 1)], torch.zeros((), dtype=embed.dtype))
+    x = torch.where(
+        mine[:, None],
+        embed[local.clamp(0, rows - 1)],
+        torch.zeros((), dtype=embed.dtype, device=embed.device),
+    )
     x = comm.all_reduce(x)
     hd = shape.head_dim
     nh, nkv = local_heads(shape, m)

@@ -26,11 +26,13 @@ from harness.engines.tp_group import (
     join,
     receive_command,
 )
+from harness.reshard import ipc_plane
 from harness.reshard.layout import DTYPES, EngineLayout, ModelShape, engine_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names
 from harness.reshard.sync import (
     BROADCAST,
+    IPC,
     P2P,
     EngineShards,
     join_broadcast_groups,
@@ -66,8 +68,18 @@ def shard_shapes(layout: EngineLayout, dtype: str) -> list[dict[str, tuple[int, 
 class TPRank:
     """Rank `rank` of `m`: its shards of the model, version 0 cut from the seeded weights."""
 
-    def __init__(self, rank: int, m: int, shape: ModelShape, dtype: str, seed: int, pg: dist.ProcessGroup):
+    def __init__(
+        self,
+        rank: int,
+        m: int,
+        shape: ModelShape,
+        dtype: str,
+        seed: int,
+        pg: dist.ProcessGroup,
+        device: str = "cpu",
+    ):
         self.rank, self.m, self.shape, self.dtype, self.pg = rank, m, shape, dtype, pg
+        self.device = torch.device(device)  # where its shards live (collectives and commands go by the host)
         self.layout = engine_layout(shape, m)
         self.comm = GlooCollectives(pg, m)
         self.seed = seed
@@ -76,14 +88,20 @@ class TPRank:
         self._broken_worlds: list[dist.ProcessGroup] = []  # kept: tearing down a failed gloo group may block
         self.plane = P2P  # the world's data plane; on the broadcast plane, this rank's groups in it
         self.groups: dict[tuple[int, int], object] = {}
+        self.store: dist.Store | None = None  # the world's store (the ipc plane's buffers are named there)
+        self.replica = 0
+        self.opened = ipc_plane.OpenedShards()
         self._plans: dict[tuple, object] = {}
         self.reset()
 
     def reset(self) -> None:
         """Version 0 again (the seeded weights), nothing staged, no KV cache: a fresh engine's state."""
-        self.live = cut_shards(
-            self.layout, tp_model.init_weights(self.shape, self.dtype, self.seed), self.rank
-        )
+        self.live = {
+            n: t.to(self.device)
+            for n, t in cut_shards(
+                self.layout, tp_model.init_weights(self.shape, self.dtype, self.seed), self.rank
+            ).items()
+        }
         self._tie(self.live)
         self.version = 0
         self.staged: dict[str, torch.Tensor] = {}
@@ -100,7 +118,7 @@ class TPRank:
         """Hold `shards` ({live name: this rank's shard}) for `version`; a new version drops what was staged."""
         if self.staged_version != version:
             self.staged, self.staged_version = {}, version
-        self.staged.update(shards)
+        self.staged.update({n: t.to(self.device) for n, t in shards.items()})
 
     def discard_staged(self) -> None:
         self.staged, self.staged_version = {}, None
@@ -142,7 +160,7 @@ class TPRank:
                 None if fresh else self.caches[seq],
                 self.comm,
             )
-            logits.append(out)
+            logits.append(out.cpu())
         versions = self.comm.all_gather(torch.tensor([self.version], dtype=torch.int64))
         return logits, [int(v) for v in versions]
 
@@ -181,10 +199,13 @@ class TPRank:
         self.world_timeout_s = w["timeout_s"]
         self._broken_worlds += [g.pg for g in self.groups.values()]
         self.plane = w.get("plane", P2P)
-        replica = (w["base"] - w.get("trainers", 0)) // self.m
+        self.replica = (w["base"] - w.get("trainers", 0)) // self.m
         self.groups = (
-            join_broadcast_groups(store, w, "engine", self.rank, replica) if self.plane == BROADCAST else {}
+            join_broadcast_groups(store, w, "engine", self.rank, self.replica)
+            if self.plane == BROADCAST
+            else {}
         )
+        self.store = dist.PrefixStore(f"{w['prefix']}/ipc", store)
 
     def receive(self, p: dict) -> list[list]:
         """Receive this rank's planned transfers of version `p["version"]` (checkpoint names `p["names"]`,
@@ -200,10 +221,23 @@ class TPRank:
                 plan = self._plans[key] = plan_for_names(
                     self.shape, p["trainers"], self.m, self.dtype, p["names"], p["planner"]
                 )
-            shards = EngineShards(plan, self.rank)
-            if self.plane == BROADCAST:
+            if self.plane == IPC:  # straight out of the trainer ranks' buffers, on this rank's device
+                shards = EngineShards(plan, self.rank, self.device)
+                moved = ipc_plane.read(
+                    self.store,
+                    p["sync"],
+                    plan,
+                    self.rank,
+                    shards,
+                    self.replica,
+                    self.world_timeout_s,
+                    self.opened,
+                )
+            elif self.plane == BROADCAST:
+                shards = EngineShards(plan, self.rank)  # gloo carries host memory: staged onto the device
                 moved = receive_broadcast_shards(plan, self.rank, shards, self.groups)
             else:
+                shards = EngineShards(plan, self.rank)
                 moved = receive_shards(plan, self.rank, shards, pg=self.world, timeout_s=self.world_timeout_s)
             tied = plan.tied()
             got = {n: t for n, t in shards.tensors.items() if n not in tied}
@@ -230,13 +264,16 @@ class TPRank:
     def check_digests(self, version: int, got: Mapping[str, torch.Tensor], entries: list[dict]) -> None:
         """Raise ManifestMismatch unless every shard received hashes to the manifest's digest for this rank."""
         from harness.api import ManifestMismatch
-        from harness.manifest import digest
+        from harness.manifest import digests_like
 
         want = {e["name"]: e["digest"] for e in entries if e["rank"] == self.rank}
+        names = [n for n in got if n in want]
+        # each with the manifest's algorithm (a shard on a GPU hashed as the trainer hashed it)
+        have = dict(zip(names, digests_like([got[n] for n in names], [want[n] for n in names]), strict=True))
         wrong = [
-            f"{n}: digest {digest(t)}, the manifest says {want.get(n)}"
-            for n, t in got.items()
-            if want.get(n) != digest(t)
+            f"{n}: digest {have.get(n)}, the manifest says {want.get(n)}"
+            for n in got
+            if want.get(n) is None or want[n] != have[n]
         ]
         if wrong:
             raise ManifestMismatch(f"version {version}: engine rank {self.rank}: {'; '.join(wrong[:3])}")
@@ -269,9 +306,9 @@ class TPRank:
         names = list(shapes[0])
         if self.rank != 0:
             for i, n in enumerate(names):
-                self.pg.send([self.live[n].contiguous()], 0, i).wait()
+                self.pg.send([self.live[n].contiguous().cpu()], 0, i).wait()
             return None
-        out = [{n: self.live[n].clone() for n in names}]
+        out = [{n: self.live[n].detach().to("cpu", copy=True) for n in names}]
         dtype = DTYPES[self.dtype]
         for r in range(1, self.m):
             got = {n: torch.empty(shapes[r][n], dtype=dtype) for n in names}
@@ -281,7 +318,9 @@ class TPRank:
         return out
 
 
-def rank_main(info: GroupInfo, shape: dict, dtype: str, seed: int, rank_impl: str, idle_s: float) -> None:
+def rank_main(
+    info: GroupInfo, shape: dict, dtype: str, seed: int, rank_impl: str, idle_s: float, device: str = "cpu"
+) -> None:
     """A worker rank's life: join the group, serve the leader's commands until STOP; any error ends it."""
     from harness.registry import load_object
 
@@ -290,7 +329,9 @@ def rank_main(info: GroupInfo, shape: dict, dtype: str, seed: int, rank_impl: st
         store = client_store(info)
         store.add(READY_KEY, 1)  # up (imports done): the leader builds its side of the group now
         pg = join(info, store)
-        rank = load_object(rank_impl)(info.rank, info.size, ModelShape(**shape), dtype, seed, pg)
+        rank = load_object(rank_impl)(
+            info.rank, info.size, ModelShape(**shape), dtype, seed, pg, device=device
+        )
         while True:
             op, payload = receive_command(pg, idle_s)
             if op == STOP:

@@ -80,6 +80,7 @@ class TPReferenceEngine(BatchingEngine):
         start_within_s: float = 120.0,
         idle_s: float = 3600.0,
         rank_impl: str = RANK_IMPL,
+        device: str = "cpu",
     ):
         self.shape, self.tp, self.dtype, self.max_batch, self.timeout_s = (
             shape,
@@ -94,14 +95,14 @@ class TPReferenceEngine(BatchingEngine):
         self.workers = WorkerProcesses(
             tp,
             rank_main,
-            (dataclasses.asdict(shape), dtype, seed, rank_impl, idle_s),
+            (dataclasses.asdict(shape), dtype, seed, rank_impl, idle_s, device),
             timeout_s,
             start_within_s,
             prefix=f"tp-{uuid.uuid4().hex}",
         )
         try:
             self._pg = join(self.workers.info, self.workers.store)
-            self.rank = load_object(rank_impl)(0, tp, shape, dtype, seed, self._pg)
+            self.rank = load_object(rank_impl)(0, tp, shape, dtype, seed, self._pg, device=device)
         except BaseException:
             self.workers.close(0)
             raise
@@ -241,7 +242,13 @@ class TPReferenceEngine(BatchingEngine):
             self._command(JOIN_WORLD, world)
 
     def receive_staged(
-        self, version: int, names: list[str], trainers: int, planner: str, digests: list[dict]
+        self,
+        version: int,
+        names: list[str],
+        trainers: int,
+        planner: str,
+        digests: list[dict],
+        sync: str | None = None,
     ) -> list[int]:
         """Every rank receives its planned transfers of `version` (checkpoint `names`) from the `trainers`
         trainer ranks over the world and stages them (`TPRank.receive`); the bytes each rank received.
@@ -255,6 +262,7 @@ class TPReferenceEngine(BatchingEngine):
                 "trainers": trainers,
                 "planner": planner,
                 "digests": digests,
+                "sync": sync,  # the update's name in the world's store (the ipc plane's)
             }
             outcomes = self._command(RECEIVE, payload)
         failed = [f"TP rank {r}: {text}" for r, (ok, _, text) in enumerate(outcomes) if not ok]

@@ -15,7 +15,7 @@ import sys
 
 from harness.reshard.layout import ModelShape, engine_layout, trainer_layout
 from harness.reshard.plan import build_plan
-from harness.reshard.sync import DATA_PLANES, choose_data_plane
+from harness.reshard.sync import WIRE_PLANES, choose_data_plane
 from harness.reshard.trainer_shards import DTENSOR, FSDP2
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--replicas", type=int, default=1, help="engine replicas, each of --engines ranks")
     parser.add_argument(
-        "--plane", default="auto", choices=["auto", *DATA_PLANES], help="data plane (auto: chosen, and why)"
+        "--plane", default="auto", choices=["auto", *WIRE_PLANES], help="data plane (auto: chosen, and why)"
     )
     args = parser.parse_args(argv)
     if args.replicas < 1:

@@ -33,7 +33,7 @@ from harness.api import (
     WeightSyncError,
 )
 from harness.lifecycle import FAILED, NEW, READY, UPDATING, Lifecycle
-from harness.manifest import digest, dtype_name
+from harness.manifest import digests, dtype_name
 from harness.paths.ipc import sweep_abandoned_segments
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.oracle import expected_engine_shards
@@ -62,17 +62,19 @@ class ReshardSender(Sender):
         engines: int,
         replicas: int,
         timeout_s: float,
+        device: str = "cpu",
     ):
-        self.ranks, self.model, self.dtype = ranks, model, dtype
+        self.ranks, self.model, self.dtype, self.device = ranks, model, dtype, torch.device(device)
         self.engines, self.replicas, self.timeout_s = engines, replicas, timeout_s
         self.spec = {n: TensorSpec(s, DTYPES[dtype]) for n, s in model.checkpoint_shapes().items()}
         self.path: str | None = None  # the /dev/shm file the trainer ranks read a version from
-        self._flat: torch.Tensor | None = None  # its mapping here
+        self._flat: torch.Tensor | None = None  # its mapping here (on a GPU: a device buffer)
+        self._handle: JSON | None = None  # on a GPU, the buffer's CUDA IPC handle
         self._send: dict | None = None
         #: bytes each trainer rank sent in the last transmit (all replicas), rank 0 first
         self.sent_bytes: list[int] = []
         #: the data plane (p2p: each transfer sent to every replica; broadcast: once per engine rank group)
-        self.plane, self.plane_why = data_plane(replicas)
+        self.plane, self.plane_why = data_plane(replicas, device=str(self.device))
         self.planner = planner_path()
         sweep_abandoned_segments()  # a trainer SIGKILLed mid-push could not remove its version's file
 
@@ -107,11 +109,16 @@ class ReshardSender(Sender):
             t = named_tensors[name].detach()
             n = t.numel() * t.element_size()
             if n:
-                flat[at : at + n].copy_(t.cpu().contiguous().reshape(-1).view(torch.uint8))
+                flat[at : at + n].copy_(t.to(flat.device).contiguous().reshape(-1).view(torch.uint8))
+        if flat.is_cuda:  # the trainer ranks read it from other processes: the copies must have landed
+            torch.cuda.synchronize(flat.device)
+        sync = secrets.token_hex(8)  # this update's name in the world's store (the ipc plane's keys)
         self._send = {
             "version": version,
+            "sync": sync,
             "names": names,
             "path": self.path,
+            "cuda": self._handle,
             "layout": layout,
             "dtype": self.dtype,
             "model": dataclasses.asdict(self.model),
@@ -123,6 +130,7 @@ class ReshardSender(Sender):
         manifest = {"version": version, "entries": self.expected_digests(names, tensors)}
         return {
             "version": version,
+            "sync": sync,
             "names": names,
             "trainers": self.ranks.n,
             "planner": self.planner,
@@ -134,18 +142,23 @@ class ReshardSender(Sender):
         from the full tensors by the oracle (none of the plan's arithmetic): every engine rank checks what
         it received against its own before it stages anything."""
         plan = self.plan(names)
-        full = {n: tensors[n].detach().cpu() for n in names}
+        # cut and hashed where the engines hold their shards (on a GPU: no host copy, ws64x2 on the device)
+        full = {n: tensors[n].detach().to(self.device) for n in names}
         tied = plan.tied()
-        return [
-            {"rank": r, "name": live, "digest": digest(t)}
-            for r in range(self.engines)
-            for live, t in expected_engine_shards(full, plan.engine, r).items()
-            if live not in tied
-        ]
+        with torch.device(self.device):  # the oracle's padding rows beside the rest
+            cuts = [
+                (r, live, t)
+                for r in range(self.engines)
+                for live, t in expected_engine_shards(full, plan.engine, r).items()
+                if live not in tied
+            ]
+        hashed = digests([t for _, _, t in cuts])
+        return [{"rank": r, "name": live, "digest": d} for (r, live, _), d in zip(cuts, hashed, strict=True)]
 
     def expected_sent(self, plan_total: int) -> int:
         """What the trainer ranks hand the library per version for a plan moving `plan_total` bytes into
-        one replica: every replica's copy point to point, one copy on the broadcast plane."""
+        one replica: every replica's copy point to point (on the ipc plane every replica's engine ranks
+        read their own copy out of the trainer ranks' buffers), one copy on the broadcast plane."""
         return plan_total if self.plane == BROADCAST else self.replicas * plan_total
 
     def transmit(self) -> None:
@@ -155,7 +168,16 @@ class ReshardSender(Sender):
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """The /dev/shm file a version is written to, mapped: the last one again where it is still there
-        and of this size (a fresh file costs a page fault per page on every sync), else a new one."""
+        and of this size (a fresh file costs a page fault per page on every sync), else a new one. On a
+        GPU, a device buffer the trainer ranks open by its CUDA IPC handle (kept while its size holds)."""
+        if self.device.type == "cuda":
+            if self._flat is None or self._flat.numel() != nbytes:
+                from harness.paths.ipc import cuda_handle
+
+                self._flat = None
+                self._flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                self._handle = cuda_handle(self._flat)
+            return self._flat
         if self.path is not None and self._flat is not None and self._flat.numel() == nbytes:
             try:
                 if os.path.getsize(self.path) == nbytes:
@@ -180,7 +202,7 @@ class ReshardSender(Sender):
         self._send = None
 
     def _unlink(self) -> None:
-        self._flat = None
+        self._flat, self._handle = None, None
         if self.path is not None:
             try:
                 os.unlink(self.path)
@@ -235,6 +257,7 @@ class ReshardReceiver(Receiver):
             refusal = exc
         try:
             version, names, trainers, planner, digests = _parse(update_info)
+            sync = update_info.get("sync")
         except ManifestMismatch as exc:  # nothing to receive by: the lifecycle's refusal first
             if refusal is None:
                 self.lifecycle.fail(exc)
@@ -252,7 +275,7 @@ class ReshardReceiver(Receiver):
                 refusal = exc
         try:
             self.received_bytes = self._named(
-                self.engine.receive_staged, version, names, trainers, planner, digests
+                self.engine.receive_staged, version, names, trainers, planner, digests, sync
             )
         except WeightSyncError as exc:
             if self.lifecycle.state in (UPDATING, FAILED):

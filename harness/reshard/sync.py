@@ -1,8 +1,9 @@
 """A resharded sync: the plan executed over torch.distributed, from the trainer rank that owns each byte
 range to the engine rank that needs it, on every engine replica (R replicas of M ranks hold the same
-shards). Two data planes: point to point (each transfer sent to each replica's copy of its engine rank)
-and broadcast per engine rank group (each transfer one broadcast from its trainer rank to the copies of
-its engine rank on every replica); `choose_data_plane` picks one and says why. No rank ever holds more
+shards). Three data planes: point to point (each transfer sent to each replica's copy of its engine rank),
+broadcast per engine rank group (each transfer one broadcast from its trainer rank to the copies of its engine
+rank on every replica), and, for ranks that share one host or one GPU, ipc (each engine rank copies its slices
+out of the trainer ranks' own shared buffers: `reshard.ipc_plane`); `data_plane` picks one and says why. No rank ever holds more
 than its own shard (the sender packs a row-parallel column band, nothing else); every message travels as
 raw bytes (uint8), so any dtype is carried bit for bit and counted exactly.
 
@@ -26,14 +27,23 @@ from harness.reshard.plan import ReshardPlan, Transfer, world_rank
 #: Bytes an engine shard holds before a sync fills it: a transfer that never lands shows as 0xA5 bytes
 POISON = 0xA5
 
-P2P, BROADCAST = "p2p", "broadcast"
-DATA_PLANES = (P2P, BROADCAST)
+P2P, BROADCAST, IPC = "p2p", "broadcast", "ipc"
+DATA_PLANES = (P2P, BROADCAST, IPC)
+#: the planes that carry messages over torch.distributed (the standalone worlds of harness.reshard.world)
+WIRE_PLANES = (P2P, BROADCAST)
 
 
-def choose_data_plane(replicas: int) -> tuple[str, str]:
-    """The data plane for `replicas` engine replicas, and why (the report prints both). The bytes a
-    trainer rank hands the library per transfer: point to point, one send per replica; broadcast, one call
-    for all of them (the library then carries them: NCCL along a ring or tree, gloo a binomial tree)."""
+def choose_data_plane(replicas: int, device: str = "cpu") -> tuple[str, str]:
+    """The data plane for `replicas` engine replicas whose ranks all live on `device`, and why (the report
+    prints both). On a GPU every rank shares it: the engine ranks read the trainer ranks' shards through
+    CUDA IPC handles, device to device. On the host, the bytes a trainer rank hands gloo per transfer:
+    point to point, one send per replica; broadcast, one call for all of them (gloo carries them along a
+    binomial tree)."""
+    if device != "cpu":
+        return IPC, (
+            f"every rank on {device}: each engine rank copies its planned slices straight out of the trainer "
+            "ranks' shards through CUDA IPC handles (device to device, no host hop, no message)"
+        )
     if replicas > 1:
         return BROADCAST, (
             f"{replicas} replicas hold the same shards: one broadcast per transfer to the {replicas} copies of "
@@ -42,20 +52,25 @@ def choose_data_plane(replicas: int) -> tuple[str, str]:
     return P2P, "one replica: a broadcast to one engine rank is a send, and its group one rendezvous more"
 
 
-#: the data plane of the `reshard` backend's worlds: "auto" (choose_data_plane), "p2p" or "broadcast"
+#: the data plane of the `reshard` backend's worlds: "auto" (choose_data_plane), "p2p", "broadcast" or "ipc"
 PLANE_ENV = "WEIGHTSYNC_RESHARD_PLANE"
 
 
-def data_plane(replicas: int, asked: str | None = None) -> tuple[str, str]:
-    """The data plane a world of `replicas` engine replicas uses, and why: `asked` (else PLANE_ENV, else
-    "auto", which chooses)."""
+def data_plane(replicas: int, asked: str | None = None, device: str = "cpu") -> tuple[str, str]:
+    """The data plane a world of `replicas` engine replicas on `device` uses, and why: `asked` (else
+    PLANE_ENV, else "auto", which chooses)."""
     asked = asked or os.environ.get(PLANE_ENV) or "auto"
     if asked == "auto":
-        return choose_data_plane(replicas)
+        return choose_data_plane(replicas, device)
     if asked not in DATA_PLANES:
-        raise BackendError(f"{PLANE_ENV}={asked!r}: expected auto, {' or '.join(DATA_PLANES)}")
+        raise BackendError(f"{PLANE_ENV}={asked!r}: expected auto, {', '.join(DATA_PLANES)}")
     if asked == BROADCAST and replicas < 2:
         raise BackendError(f"{PLANE_ENV}=broadcast needs 2 engine replicas or more, not {replicas}")
+    if asked == IPC and device == "cpu":
+        return IPC, (
+            f"named by {PLANE_ENV}=ipc: each engine rank copies its planned slices out of the trainer ranks' "
+            "shards in /dev/shm (every rank on this host)"
+        )
     return asked, f"named by {PLANE_ENV}={asked}"
 
 
@@ -157,7 +172,7 @@ def _source_bytes(t: Transfer, local: Mapping[str, torch.Tensor]) -> torch.Tenso
     rows = local[t.source][t.src_rows[0] : t.src_rows[1]]
     if t.cols is not None:
         rows = rows[:, t.cols[0] : t.cols[1]]
-    data = _bytes(rows.contiguous())
+    data = _bytes(rows.contiguous().cpu())  # gloo carries host memory: a GPU shard's bytes go through it
     if data.numel() != t.nbytes:  # the plan reads past the local shard: refuse, never send a short message
         raise ManifestMismatch(
             f"trainer rank {t.src}: the plan cuts {t.nbytes} B, its local shard {tuple(local[t.source].shape)} "

@@ -21,11 +21,21 @@ import torch.distributed as dist
 
 from harness import error_codec, warm
 from harness.api import RankFailure, RankInfo, TransferError
+from harness.paths.ipc import sweep_abandoned_segments
 from harness.procs import describe_exit, process_state
+from harness.reshard import ipc_plane
 from harness.reshard.gpu_bench import views
 from harness.reshard.layout import DTYPES, ModelShape, chunk_rows
 from harness.reshard.plan import plan_for_names
-from harness.reshard.sync import BROADCAST, P2P, broadcast_shards, join_broadcast_groups, send_shards
+from harness.reshard.sync import (
+    BROADCAST,
+    IPC,
+    P2P,
+    broadcast_shards,
+    check_local_shards,
+    join_broadcast_groups,
+    send_shards,
+)
 
 JOIN, SEND, PING, STOP = "join", "send", "ping", "stop"
 #: How long a rank waits for its next command: a trainer that went away closes the pipe first
@@ -37,6 +47,13 @@ def map_full_tensors(path: str, layout: Mapping[str, Sequence], dtype: str) -> d
     size = os.path.getsize(path)
     flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     return views(flat, dict(layout), DTYPES[dtype])
+
+
+def open_full_tensors(handle: Mapping, layout: Mapping[str, Sequence], dtype: str) -> dict[str, torch.Tensor]:
+    """The full tensors a sender wrote to a device buffer (its CUDA IPC `handle`), opened, not copied."""
+    from harness.paths.ipc import open_cuda_handle
+
+    return views(open_cuda_handle(handle), dict(layout), DTYPES[dtype])
 
 
 def local_shards(full: Mapping[str, torch.Tensor], n: int, rank: int) -> dict[str, torch.Tensor]:
@@ -59,6 +76,8 @@ class _Rank:
         self._mapped: tuple | None = None
         self.plane = P2P  # the world's data plane; on the broadcast plane, this rank's groups
         self.groups: dict[tuple[int, int], Any] = {}
+        self.store: dist.Store | None = None  # the world's store, where the ipc plane names its buffers
+        self.buffer: ipc_plane.TrainerShardBuffer | None = None  # the ipc plane's: this rank's shards
 
     def join(self, w: dict) -> None:
         join = datetime.timedelta(seconds=w["join_s"])  # forming the world: every rank connects to every rank
@@ -70,10 +89,30 @@ class _Rank:
         self.broken += [g.pg for g in self.groups.values()]
         self.plane = w.get("plane", P2P)
         self.groups = join_broadcast_groups(store, w, "trainer", self.rank) if self.plane == BROADCAST else {}
+        self.store = dist.PrefixStore(f"{w['prefix']}/ipc", store)
+        device = w.get("device", "cpu")
+        if self.plane == IPC and (self.buffer is None or str(self.buffer.device) != device):
+            self.close()
+            self.buffer = ipc_plane.TrainerShardBuffer(self.rank, device)
 
-    def mapped(self, path: str, layout, dtype: str) -> dict[str, torch.Tensor]:
+    def close(self) -> None:
+        """Release this rank's shard buffer (its /dev/shm file)."""
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+    def mapped(self, p: dict) -> dict[str, torch.Tensor]:
         """The version's full tensors, mapped (the mapping of the last version again where the trainer
-        wrote this one to the same file, of the same size and layout)."""
+        wrote this one to the same file or device buffer, of the same size and layout): a /dev/shm file
+        (`p["path"]`) or a device buffer (`p["cuda"]`, its CUDA IPC handle)."""
+        layout, dtype = p["layout"], p["dtype"]
+        if p.get("cuda") is not None:
+            key = ("cuda", p["cuda"]["handle"], p["cuda"]["size"], repr(sorted(layout.items())), dtype)
+            if self._mapped is None or self._mapped[0] != key:
+                self._mapped = None  # the last mapping closed before the next opens
+                self._mapped = (key, open_full_tensors(p["cuda"], layout, dtype))
+            return self._mapped[1]
+        path = p["path"]
         key = (path, os.path.getsize(path), repr(sorted(layout.items())), dtype)
         if self._mapped is None or self._mapped[0] != key:
             self._mapped = (key, map_full_tensors(path, layout, dtype))
@@ -89,8 +128,13 @@ class _Rank:
             plan = self.plans[key] = plan_for_names(
                 model, p["trainers"], p["engines"], p["dtype"], p["names"], p["planner"]
             )
-        full = self.mapped(p["path"], p["layout"], p["dtype"])
+        full = self.mapped(p)
         local = local_shards({n: full[n] for n in p["names"]}, p["trainers"], self.rank)
+        if self.plane == IPC:  # this rank's shards in a buffer of its own, read by the engine ranks
+            check_local_shards(plan, self.rank, local)
+            return ipc_plane.publish(
+                self.store, p["sync"], plan, self.rank, self.buffer, local, p["replicas"], self.timeout_s
+            )
         if self.plane == BROADCAST:  # each transfer once, to its engine rank on every replica
             return broadcast_shards(plan, self.rank, local, self.groups)
         return send_shards(
@@ -119,6 +163,7 @@ def rank_main(conn, rank: int) -> None:
                 f"trainer rank {rank}: {op} raised {type(exc).__name__}: {exc}", file=sys.stderr, flush=True
             )
             conn.send(("error", error_codec.to_json(exc)))
+    me.close()
     os._exit(0)  # tearing down gloo costs seconds; nothing is left to flush
 
 
@@ -240,6 +285,8 @@ class TrainerRanks:
         if p.exitcode is None:
             p.kill()
         p.join(timeout=5)
+        if p.exitcode is not None:  # a killed rank cannot release its shard file: swept by its dead pid
+            sweep_abandoned_segments()
         try:
             self.conns[r].close()
         except OSError:

@@ -32,7 +32,7 @@ from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import ReshardPlan, build_plan
 from harness.reshard.sync import (
     BROADCAST,
-    DATA_PLANES,
+    WIRE_PLANES,
     EngineShards,
     broadcast_shards,
     choose_data_plane,
@@ -58,8 +58,8 @@ def job(
     plans); `kill` = ("trainer", r, i): trainer rank r SIGKILLs itself before its i-th send of the first
     step; ("engine", r, i): engine rank r (counted across replicas) once it has received i transfers
     (point to point). `plane`: "p2p", "broadcast", or "auto" (choose_data_plane for the world's replicas)."""
-    if plane != "auto" and plane not in DATA_PLANES:
-        raise ValueError(f"data plane {plane!r}: one of {DATA_PLANES} or 'auto'")
+    if plane != "auto" and plane not in WIRE_PLANES:
+        raise ValueError(f"data plane {plane!r}: one of {WIRE_PLANES} or 'auto'")
     return {
         "model": dataclasses.asdict(model),
         "api": api,

@@ -42,7 +42,7 @@ from harness.pytest_plugin import outcomes_of
 from harness.reshard.layout import QKV, ModelShape, engine_layout, full_weights, trainer_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import ReshardPlan
-from harness.reshard.sync import BROADCAST, DATA_PLANES, P2P, choose_data_plane, chunk_locals, simulate
+from harness.reshard.sync import BROADCAST, P2P, WIRE_PLANES, choose_data_plane, chunk_locals, simulate
 from harness.reshard.world import ReshardWorld, job
 
 PLANNER_ENV = "WEIGHTSYNC_RESHARD_PLANNER"
@@ -409,7 +409,7 @@ def test_several_replicas_take_the_broadcast_plane_and_the_choice_says_why():
 
 @pytest.mark.multiproc
 @pytest.mark.not_quick
-@pytest.mark.parametrize("plane", DATA_PLANES)
+@pytest.mark.parametrize("plane", WIRE_PLANES)
 def test_every_replica_gets_every_shard_bit_for_bit_on_either_data_plane(reshard_worlds, plane, request):
     """Each replica's every engine shard is the oracle's, bit for bit, two versions running, whichever data
     plane moved it; each engine rank of each replica receives exactly its minimum; the trainer ranks hand

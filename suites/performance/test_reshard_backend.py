@@ -12,15 +12,19 @@ import time
 import pytest
 import torch
 
-from harness.api import BackendError
+from harness.api import BackendError, GenerationRequest
 from harness.backends.reshard import ReshardBackend
+from harness.checks import bitwise_mismatches
 from harness.deployment import push
+from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.sync import PLANE_ENV
 
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize(("replicas", "plane"), [(1, "p2p"), (2, "p2p"), (2, "broadcast")])
+@pytest.mark.parametrize(
+    ("replicas", "plane"), [(1, "p2p"), (2, "p2p"), (2, "broadcast"), (1, "ipc"), (2, "ipc")]
+)
 def test_each_engine_rank_receives_the_plans_minimum_bytes(tmp_path, monkeypatch, replicas, plane):
     monkeypatch.setenv(PLANE_ENV, plane)
     backend = ReshardBackend(trainer_ranks=3, tp=2, timeout_s=30.0)
@@ -45,7 +49,8 @@ def test_each_engine_rank_receives_the_plans_minimum_bytes(tmp_path, monkeypatch
                     "rerun: pytest suites/performance/test_reshard_backend.py"
                 )
             sent = sum(dep.sender.sent_bytes)
-            copies = replicas if plane == "p2p" else 1  # a broadcast hands each transfer over once
+            # a broadcast hands each transfer over once; on the ipc plane each replica reads its own copy
+            copies = 1 if plane == "broadcast" else replicas
             assert sent == copies * minimum["total"], (
                 f"the trainer ranks sent {dep.sender.sent_bytes} (sum {sent}) for {replicas} replica(s) on the "
                 f"{plane} plane; expected {copies} x {minimum['total']}"
@@ -65,3 +70,39 @@ def test_a_data_plane_that_cannot_be_is_refused_at_deploy_naming_the_setting(
     monkeypatch.setenv(PLANE_ENV, plane)
     with pytest.raises(BackendError, match=PLANE_ENV):
         ReshardBackend(trainer_ranks=3, tp=2, timeout_s=30.0).deploy(replicas, None, str(tmp_path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_on_one_gpu_engine_ranks_read_the_trainer_ranks_shards_over_cuda_ipc(tmp_path, monkeypatch, replicas):
+    """The GPU variant: every trainer and engine rank on the one GPU, the ipc plane chosen by itself; each
+    engine rank's live shards live on the device and are the oracle's cut bit for bit, each at the plan's
+    minimum bytes, and the engine computes with them."""
+    monkeypatch.delenv(PLANE_ENV, raising=False)
+    backend = ReshardBackend(trainer_ranks=3, tp=2, timeout_s=60.0, device="cuda:0")
+    assert (backend.ceiling, backend.capabilities.gpu) == ("device-copy", True)
+    with backend.deploy(replicas, None, str(tmp_path)) as dep:
+        assert dep.sender.plane == "ipc", (dep.sender.plane, dep.sender.plane_why)
+        spec = dep.handles[0].engine.weight_spec()
+        plan = dep.sender.plan(list(spec))
+        minimum = plan.minimum_bytes()
+        gen = torch.Generator().manual_seed(11)
+        for version in (1, 2):
+            weights = {n: torch.randn(s.shape, generator=gen).to(s.dtype).cuda() for n, s in spec.items()}
+            push(dep, version, weights)
+            full = {n: t.cpu() for n, t in weights.items()}
+            for q, h in enumerate(dep.handles):
+                got = {f"engine {r}": b for r, b in enumerate(h.receiver.received_bytes)}
+                assert got == {k: v for k, v in minimum.items() if k != "total"}, (version, q, got, minimum)
+                for r, shards in enumerate(h.engine.read_shards()):
+                    want = expected_engine_shards(full, plan.engine, r)
+                    wrong = bitwise_mismatches({n: want[n] for n in shards}, shards)
+                    assert not wrong, f"version {version}, replica {q}, engine rank {r}: {wrong[:3]}"
+                live = h.engine.rank.live
+                assert all(t.is_cuda for t in live.values()), {n: t.device for n, t in live.items()}
+                assert h.engine.weight_version() == version
+            assert sum(dep.sender.sent_bytes) == replicas * minimum["total"], dep.sender.sent_bytes
+        (done,) = dep.handles[0].engine.generate([GenerationRequest("gpu", (1, 2, 3), 4)])
+        print(f"reshard 3 -> {replicas} x TP 2 on {torch.cuda.get_device_name()}: ipc plane, {done}")
+        assert len(done.token_ids) == 4, done
