@@ -661,6 +661,10 @@ class Backend(abc.ABC):
     #: Where the harness's benchmark cannot measure the path (its payload of any size, which a backend serving
     #: one model refuses): the import path of the path's own `measure_sync` (harness.bench's signature).
     measure: str | None = None
+    #: The most pytest-xdist workers certify runs a suite of this path on (None: as many as the cores
+    #: allow): a path whose every deployment holds many processes, each with a CUDA context on one GPU
+    #: (the resharded sync's), is slowed, not sped up, by more.
+    max_jobs: int | None = None
 
     def deploy(
         self,

@@ -140,6 +140,10 @@ def certify_in(
     # the suites first, side by side (what --resume finds finished is reused), the throughput rows alone after
     results = {n: d for n in names if (d := finished_suite(out, "conformance", n, console))}
     faults = {n: d for n in fault_names if (d := finished_suite(out, "faults", n, console))}
+    caps = [b.max_jobs for b in backends.values() if getattr(b, "max_jobs", None)]
+    if caps and args.jobs > min(caps):
+        console.print(f"xdist workers: {min(caps)}, not {args.jobs} (what the selected paths hold: max_jobs)")
+        args.jobs = min(caps)
     ran = run_suites(
         [n for n in names if n not in results],
         [n for n in fault_names if n not in faults],

@@ -50,6 +50,9 @@ DTYPE = "float32"  # the TP engine's
 #: How long forming a world may take (N + R x M processes connecting pairwise: seconds on a loaded 2-core
 #: host, past a fault cell's 4 s timeout); each transfer in it is bounded by the deployment's timeout
 JOIN_S = 30.0
+#: On a GPU every rank of the world holds a CUDA context: creating several at once on one GPU (a certify's
+#: parallel cells start a world each) took past 30 s on the H100 (2026-12-06)
+GPU_JOIN_S = 90.0
 #: The GPU variant's gate (every rank on one GPU, the ipc plane), until measured on the H100/H200: a
 #: version is copied three times on the device (into the trainer's staging buffer, into each trainer
 #: rank's shard, into each engine rank's shard) and digested twice, where the device-copy ceiling copies it
@@ -105,6 +108,7 @@ class ReshardDeployment(Deployment):
         device: str = "cpu",
     ):
         self.timeout_s, self.model, self.device = timeout_s, model, device
+        self.join_s = JOIN_S if device == "cpu" else GPU_JOIN_S
         self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
         self.restarts = 0
         self.handles: list[EngineHandle] = []
@@ -146,7 +150,7 @@ class ReshardDeployment(Deployment):
             self.world_size,
             is_master=True,
             wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=JOIN_S),
+            timeout=datetime.timedelta(seconds=self.join_s),
         )
         self.sender.store_port = self._store.port  # where the world forms (the port-taken cell's target)
         world = {
@@ -154,7 +158,7 @@ class ReshardDeployment(Deployment):
             "prefix": f"reshard-{uuid.uuid4().hex}",
             "size": self.world_size,
             "timeout_s": self.timeout_s,
-            "join_s": JOIN_S,
+            "join_s": self.join_s,
             # the data plane and, on the broadcast plane, what each rank needs to form its groups
             "plane": self.sender.plane,
             "device": self.device,  # where every rank's shards live (the ipc plane's buffers)
@@ -163,7 +167,7 @@ class ReshardDeployment(Deployment):
             "replicas": self.replicas,
         }
         with cf.ThreadPoolExecutor(max_workers=1 + len(self.handles), thread_name_prefix="join") as pool:
-            futures = [pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, JOIN_S + 5)]
+            futures = [pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, self.join_s + 5)]
             futures += [
                 pool.submit(
                     h.receiver.init_transfer_engine,
@@ -296,6 +300,9 @@ class ReshardBackend(Backend):
             self.bandwidth_floor = GPU_BANDWIDTH_FLOOR
             self.fixed_cost_ms = GPU_FIXED_COST_MS
             self.floor_reason = GPU_FLOOR_REASON
+            # N + 2M CUDA contexts per fault cell's deployment: 8 workers x 2 suites at once on the H100
+            # started worlds that took past 30 s to form (2026-12-06)
+            self.max_jobs = 4
         elif os.environ.get(PLANE_ENV) == IPC:  # named: engine ranks copy out of /dev/shm
             self.ceiling = "memcpy"
         if trainer_ranks < 1 or tp < 1:

@@ -10,6 +10,7 @@ one that does not answer in time with its kernel state, and either is replaced b
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 import time
@@ -91,6 +92,8 @@ class _Rank:
         self.groups = join_broadcast_groups(store, w, "trainer", self.rank) if self.plane == BROADCAST else {}
         self.store = dist.PrefixStore(f"{w['prefix']}/ipc", store)
         device = w.get("device", "cpu")
+        if device != "cpu":  # its CUDA context now, within the join's bound, not in the first sync's
+            torch.empty(1, device=device)
         if self.plane == IPC and (self.buffer is None or str(self.buffer.device) != device):
             self.close()
             self.buffer = ipc_plane.TrainerShardBuffer(self.rank, device)
@@ -107,7 +110,8 @@ class _Rank:
         (`p["path"]`) or a device buffer (`p["cuda"]`, its CUDA IPC handle)."""
         layout, dtype = p["layout"], p["dtype"]
         if p.get("cuda") is not None:
-            key = ("cuda", p["cuda"]["handle"], p["cuda"]["size"], repr(sorted(layout.items())), dtype)
+            # the whole handle: a new staging buffer may lie in the same allocation at another offset
+            key = ("cuda", json.dumps(p["cuda"], sort_keys=True), repr(sorted(layout.items())), dtype)
             if self._mapped is None or self._mapped[0] != key:
                 self._mapped = None  # the last mapping closed before the next opens
                 self._mapped = (key, open_full_tensors(p["cuda"], layout, dtype))

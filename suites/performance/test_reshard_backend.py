@@ -101,7 +101,7 @@ def test_on_one_gpu_engine_ranks_read_the_trainer_ranks_shards_over_cuda_ipc(tmp
                     assert not wrong, f"version {version}, replica {q}, engine rank {r}: {wrong[:3]}"
                 live = h.engine.rank.live
                 assert all(t.is_cuda for t in live.values()), {n: t.device for n, t in live.items()}
-                assert h.engine.weight_version() == version
+                assert h.engine.weight_version == version
             assert sum(dep.sender.sent_bytes) == replicas * minimum["total"], dep.sender.sent_bytes
         (done,) = dep.handles[0].engine.generate([GenerationRequest("gpu", (1, 2, 3), 4)])
         print(f"reshard 3 -> {replicas} x TP 2 on {torch.cuda.get_device_name()}: ipc plane, {done}")
