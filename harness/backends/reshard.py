@@ -15,12 +15,16 @@ carried to every process of the run as the device is (`RESHARD_ENV`)."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import copy
 import dataclasses
 import os
+import sys
+import threading
+import time
+import traceback
 import uuid
+import warnings
 
 from harness.api import (
     DEFAULT_ENGINE,
@@ -33,6 +37,7 @@ from harness.api import (
     EngineHandle,
     RankInfo,
     TensorSpec,
+    TransferError,
     WeightSpec,
     WeightSyncError,
 )
@@ -53,6 +58,8 @@ JOIN_S = 30.0
 #: On a GPU every rank of the world holds a CUDA context: creating several at once on one GPU (a certify's
 #: parallel cells start a world each) took past 30 s on the H100 (2026-12-06)
 GPU_JOIN_S = 90.0
+#: Past join_s, how long the deployment waits for a side's join to return (each side's own bound is join_s)
+JOIN_GRACE_S = 15.0
 #: The GPU variant's gate (every rank on one GPU, the ipc plane), until measured on the H100/H200: a
 #: version is copied three times on the device (into the trainer's staging buffer, into each trainer
 #: rank's shard, into each engine rank's shard) and digested twice, where the device-copy ceiling copies it
@@ -111,6 +118,7 @@ class ReshardDeployment(Deployment):
         self.join_s = JOIN_S if device == "cpu" else GPU_JOIN_S
         self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
         self.restarts = 0
+        self._stuck_engines: list[int] = []
         self.handles: list[EngineHandle] = []
         #: each engine's receiver (a fault may wrap the one its handle holds for a push)
         self.receivers: list[ReshardReceiver] = []
@@ -138,8 +146,10 @@ class ReshardDeployment(Deployment):
     def world_size(self) -> int:
         return self.n_trainers + self.replicas * self.tp
 
-    def connect(self) -> None:
-        """A new world: every trainer rank and every engine rank join it at once (a collective)."""
+    def connect(self, retry: bool = True) -> None:
+        """A new world: every trainer rank and every engine rank join it at once (a collective), within
+        join_s + JOIN_GRACE_S; a side that has not returned by then is named with where it stood (once,
+        `retry`: a stuck engine is replaced and everyone joins a fresh world)."""
         import datetime
 
         import torch.distributed as dist
@@ -166,18 +176,74 @@ class ReshardDeployment(Deployment):
             "engines": self.tp,
             "replicas": self.replicas,
         }
-        with cf.ThreadPoolExecutor(max_workers=1 + len(self.handles), thread_name_prefix="join") as pool:
-            futures = [pool.submit(self.trainer_ranks.call, JOIN, [world] * self.n_trainers, self.join_s + 5)]
-            futures += [
-                pool.submit(
-                    h.receiver.init_transfer_engine,
-                    {"world": {**world, "base": self.n_trainers + i * self.tp}},
+        stuck, errors = self._join_all(world)
+        if stuck and retry:
+            # an engine whose leader never reached the world (seen on the H100: 2 of ~70 worlds) is
+            # replaced, said aloud with where it stood, and every rank joins a fresh world once more
+            warnings.warn(
+                f"reshard world formation: {'; '.join(stuck)}; replacing and joining again", RuntimeWarning, stacklevel=2
+            )
+            for i in self._stuck_engines:
+                self._abandon_engine(i)
+            self._replace_failed_engines()  # the others' joins timed out waiting for it: failed too
+            self.trainer_ranks.restart_unhealthy()
+            return self.connect(retry=False)
+        if stuck:
+            raise TransferError(
+                f"the resharding world did not form in {self.join_s + JOIN_GRACE_S:g}s: {'; '.join(stuck)}"
+            )
+        if errors:
+            raise errors[0]
+
+    def _join_all(self, world: dict) -> tuple[list[str], list[BaseException]]:
+        """Every trainer rank and every engine's ranks join `world`, each side from a thread of its own,
+        bounded: (what had not returned by join_s + JOIN_GRACE_S, with its stack; the errors raised)."""
+        outcome: dict[str, BaseException | None] = {}
+
+        def run(key: str, fn, *args) -> None:
+            try:
+                fn(*args)
+                outcome[key] = None
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                outcome[key] = exc
+
+        jobs = [("trainer ranks", self.trainer_ranks.call, JOIN, [world] * self.n_trainers, self.join_s + 5)]
+        jobs += [
+            (
+                f"engine {i}",
+                h.receiver.init_transfer_engine,
+                {"world": {**world, "base": self.n_trainers + i * self.tp}},
+            )
+            for i, h in enumerate(self.handles)
+        ]
+        threads = [
+            threading.Thread(target=run, args=job, daemon=True, name=f"reshard-join {job[0]}") for job in jobs
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.join_s + JOIN_GRACE_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        frames = sys._current_frames()
+        stuck, self._stuck_engines = [], []
+        for (key, *_), t in zip(jobs, threads, strict=True):
+            if t.is_alive():
+                where = (
+                    "".join(traceback.format_stack(frames.get(t.ident))[-4:]) if t.ident in frames else "?"
                 )
-                for i, h in enumerate(self.handles)
-            ]
-        for f in futures:
-            if f.exception() is not None:
-                raise f.exception()
+                stuck.append(f"{key} had not returned, at:\n{where}")
+                if key.startswith("engine "):
+                    self._stuck_engines.append(int(key.split()[1]))
+        return stuck, [e for e in outcome.values() if e is not None]
+
+    def _abandon_engine(self, i: int) -> None:
+        """Engine `i` is stuck in a join (its leader's thread holds its lock): its worker ranks are killed,
+        the object left to its thread, a fresh engine in its place."""
+        h = self.handles[i]
+        h.engine.workers.close(within_s=0)
+        h.engine = self._engine()
+        self.receivers[i].rebind(h.engine)
+        self.restarts += 1
 
     @property
     def ranks(self) -> list[RankProcessRef]:
