@@ -7,6 +7,7 @@ ranks' bytes), not gated."""
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import pytest
@@ -106,3 +107,30 @@ def test_on_one_gpu_engine_ranks_read_the_trainer_ranks_shards_over_cuda_ipc(tmp
         (done,) = dep.handles[0].engine.generate([GenerationRequest("gpu", (1, 2, 3), 4)])
         print(f"reshard 3 -> {replicas} x TP 2 on {torch.cuda.get_device_name()}: ipc plane, {done}")
         assert len(done.token_ids) == 4, done
+
+
+def test_a_world_whose_engine_never_joins_is_named_and_formed_again_once(tmp_path, monkeypatch):
+    """An engine whose join never returns (the H100 run saw a leader that never registered): the deployment
+    does not wait on it for good; it names where the join stood, replaces that engine, and the fresh
+    world syncs."""
+    from harness.backends import reshard
+    from harness.engines.tp_reference import TPReferenceEngine
+
+    monkeypatch.setattr(reshard, "JOIN_S", 3.0)
+    monkeypatch.setattr(reshard, "JOIN_GRACE_S", 2.0)
+    joins, join = [], TPReferenceEngine.join_world
+
+    def first_join_of_engine_1_hangs(self, world):
+        joins.append(world["base"])
+        if len(joins) == 2:
+            threading.Event().wait()  # never returns
+        return join(self, world)
+
+    monkeypatch.setattr(TPReferenceEngine, "join_world", first_join_of_engine_1_hangs)
+    with pytest.warns(RuntimeWarning, match="had not returned, at:(.|\n)*first_join_of_engine_1_hangs"):
+        dep = ReshardBackend(trainer_ranks=3, tp=2, timeout_s=10.0).deploy(2, None, str(tmp_path))
+    with dep:
+        spec = dep.handles[0].engine.weight_spec()
+        push(dep, 1, {n: torch.randn(s.shape) for n, s in spec.items()})
+        assert [h.engine.weight_version for h in dep.handles] == [1, 1]
+        assert dep.restarts >= 1, dep.restarts
