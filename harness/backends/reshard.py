@@ -57,7 +57,7 @@ DTYPE = "float32"  # the TP engine's
 JOIN_S = 30.0
 #: On a GPU every rank of the world holds a CUDA context: creating several at once on one GPU (a certify's
 #: parallel cells start a world each) took past 30 s on the H100 (2026-12-06)
-GPU_JOIN_S = 90.0
+GPU_JOIN_S = 60.0
 #: Past join_s, how long the deployment waits for a side's join to return (each side's own bound is join_s)
 JOIN_GRACE_S = 15.0
 #: The GPU variant's gate (every rank on one GPU, the ipc plane), until measured on the H100/H200: a
