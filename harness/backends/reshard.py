@@ -55,8 +55,8 @@ DTYPE = "float32"  # the TP engine's
 #: How long forming a world may take (N + R x M processes connecting pairwise: seconds on a loaded 2-core
 #: host, past a fault cell's 4 s timeout); each transfer in it is bounded by the deployment's timeout
 JOIN_S = 30.0
-#: On a GPU every rank of the world holds a CUDA context: creating several at once on one GPU (a certify's
-#: parallel cells start a world each) took past 30 s on the H100 (2026-12-06)
+#: On a GPU every rank of the world makes a CUDA context as it joins: a certify's parallel cells start a
+#: world each, N + R x M contexts on one GPU at once; 60 s leaves them room
 GPU_JOIN_S = 60.0
 #: Past join_s, how long the deployment waits for a side's join to return (each side's own bound is join_s)
 JOIN_GRACE_S = 15.0
