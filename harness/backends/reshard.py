@@ -181,7 +181,9 @@ class ReshardDeployment(Deployment):
             # an engine whose leader never reached the world (seen on the H100: 2 of ~70 worlds) is
             # replaced, said aloud with where it stood, and every rank joins a fresh world once more
             warnings.warn(
-                f"reshard world formation: {'; '.join(stuck)}; replacing and joining again", RuntimeWarning, stacklevel=2
+                f"reshard world formation: {'; '.join(stuck)}; replacing and joining again",
+                RuntimeWarning,
+                stacklevel=2,
             )
             for i in self._stuck_engines:
                 self._abandon_engine(i)
