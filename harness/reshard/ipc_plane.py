@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from harness.api import ManifestMismatch, TransferError
+from harness.reshard.gpu_bench import views
 from harness.reshard.layout import DTYPES
 from harness.reshard.plan import ReshardPlan
 
@@ -39,17 +40,6 @@ def _shard_key(sync: str, s: int) -> str:
 
 def _read_key(sync: str, s: int, d: int, q: int) -> str:
     return f"{sync}/read-{s}-{d}-{q}"
-
-
-def _views(buf: torch.Tensor, layout: Mapping[str, list], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    item = torch.empty((), dtype=dtype).element_size()
-    out = {}
-    for name, (off, shape) in layout.items():
-        n = 1
-        for d in shape:
-            n *= d
-        out[name] = buf[off : off + n * item].view(dtype).view(shape)
-    return out
 
 
 def _sync_device(t: torch.Tensor) -> None:
@@ -77,7 +67,7 @@ class TrainerShardBuffer:
             off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         buf = self._buffer(max(off, 1))
         dtype = next(iter(local.values())).dtype if local else torch.uint8
-        for name, view in _views(buf, layout, dtype).items():
+        for name, view in views(buf, layout, dtype).items():
             view.copy_(local[name])
         _sync_device(buf)
         return self.ref, layout
@@ -198,7 +188,7 @@ def read(
                     f"{type(exc).__name__}: {str(exc)[:200]}"
                 ) from exc
             meta = json.loads(store.get(_shard_key(sync, s)))
-            mapped[s] = _views(opened.get(s, meta["ref"]), meta["layout"], dtype)
+            mapped[s] = views(opened.get(s, meta["ref"]), meta["layout"], dtype)
         moved = 0
         for i, t in todo:
             src = mapped[t.src].get(t.source)
