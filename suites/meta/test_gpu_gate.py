@@ -60,6 +60,9 @@ def test_device_selects_the_gpu_variant_of_a_built_in_backend():
     assert resolve_backend("broadcast", device="cuda:0").backend == "nccl"
     assert resolve_backend("delta-ipc", device="cuda:0").capabilities.gpu
     assert resolve_backend("ipc", device="cpu").device == "cpu"
+    reshard = resolve_backend("reshard", device="cuda:0")  # named only; every rank on the one GPU
+    assert (reshard.device, reshard.capabilities.gpu, reshard.ceiling) == ("cuda:0", True, "device-copy")
+    assert resolve_backend("reshard", device="cpu").ceiling == "gloo"
     with pytest.raises(BackendError, match="no GPU variant"):
         resolve_backend("disk", device="cuda:0")
 
