@@ -9,7 +9,8 @@ tensor-parallel engines of M ranks each (issue 39 item 1).
                                                       commits on every rank or none (vote-then-swap)
 
 One gloo world of N + R x M ranks (trainers first, then each engine's ranks: `plan.world_rank`), its store
-hosted here (on the ipc plane, the GPU variant's, the bytes move through buffers the store names, not gloo); after a failed sync `recover()` replaces what died or hung and every rank joins a new world.
+hosted here (on the ipc plane, the GPU variant's, the bytes move through buffers the store names, not
+gloo); after a failed sync `recover()` replaces what died or hung and every rank joins a new world.
 The shape comes from the command line (`weightsync certify --backend reshard --trainer-ranks N --tp M`),
 carried to every process of the run as the device is (`RESHARD_ENV`)."""
 
@@ -60,14 +61,16 @@ JOIN_S = 30.0
 GPU_JOIN_S = 60.0
 #: Past join_s, how long the deployment waits for a side's join to return (each side's own bound is join_s)
 JOIN_GRACE_S = 15.0
-#: The GPU variant's gate (every rank on one GPU, the ipc plane), until measured on the H100/H200: a
-#: version is copied three times on the device (into the trainer's staging buffer, into each trainer
-#: rank's shard, into each engine rank's shard) and digested twice, where the device-copy ceiling copies it
-#: once; every sync is ~10 round trips to processes (trainer ranks' pipes, the TP group's commands)
+#: The GPU variant's gate (every rank on one GPU, the ipc plane): a version is copied three times on the
+#: device (into the trainer's staging buffer, into each trainer rank's shard, into each engine rank's
+#: shard) and digested twice, where the device-copy ceiling copies it once; every sync is ~10 round trips
+#: to processes (trainer ranks' pipes, the TP group's commands). Fitted on the H100 (two engines,
+#: 2026-12-06): 0.40 and 0.74 of the verified ceiling, 18 and 31 ms fixed
 GPU_BANDWIDTH_FLOOR, GPU_FIXED_COST_MS = 0.2, 80.0
 GPU_FLOOR_REASON = (
     "three device copies of each version (trainer staging, each trainer rank's shard, each engine rank's "
-    "shard) and two digests, where the device-copy ceiling copies once: at best 1/3 of it"
+    "shard) and two digests, where the device-copy ceiling copies once; fitted at 0.40 and 0.74 of it, "
+    "18 and 31 ms fixed, on the H100 (two engines, 2026-12-06)"
 )
 #: engines it delivers into: its own TP engine whatever the run names (the engine is half of the path),
 #: so the reference engine's name and the fault cells' wrapper are taken as "the engine under test"
@@ -118,7 +121,6 @@ class ReshardDeployment(Deployment):
         self.join_s = JOIN_S if device == "cpu" else GPU_JOIN_S
         self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
         self.restarts = 0
-        self._stuck_engines: list[int] = []
         self.handles: list[EngineHandle] = []
         #: each engine's receiver (a fault may wrap the one its handle holds for a push)
         self.receivers: list[ReshardReceiver] = []
@@ -176,7 +178,7 @@ class ReshardDeployment(Deployment):
             "engines": self.tp,
             "replicas": self.replicas,
         }
-        stuck, errors = self._join_all(world)
+        stuck, stuck_engines, errors = self._join_all(world)
         if stuck and retry:
             # an engine whose leader never reached the world (seen on the H100: 2 of ~70 worlds) is
             # replaced, said aloud with where it stood, and every rank joins a fresh world once more
@@ -185,7 +187,7 @@ class ReshardDeployment(Deployment):
                 RuntimeWarning,
                 stacklevel=2,
             )
-            for i in self._stuck_engines:
+            for i in stuck_engines:
                 self._abandon_engine(i)
             self._replace_failed_engines()  # the others' joins timed out waiting for it: failed too
             self.trainer_ranks.restart_unhealthy()
@@ -197,9 +199,10 @@ class ReshardDeployment(Deployment):
         if errors:
             raise errors[0]
 
-    def _join_all(self, world: dict) -> tuple[list[str], list[BaseException]]:
+    def _join_all(self, world: dict) -> tuple[list[str], list[int], list[BaseException]]:
         """Every trainer rank and every engine's ranks join `world`, each side from a thread of its own,
-        bounded: (what had not returned by join_s + JOIN_GRACE_S, with its stack; the errors raised)."""
+        bounded: (what had not returned by join_s + JOIN_GRACE_S, with its stack; the engines among them;
+        the errors raised)."""
         outcome: dict[str, BaseException | None] = {}
 
         def run(key: str, fn, *args) -> None:
@@ -227,7 +230,7 @@ class ReshardDeployment(Deployment):
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         frames = sys._current_frames()
-        stuck, self._stuck_engines = [], []
+        stuck, stuck_engines = [], []
         for (key, *_), t in zip(jobs, threads, strict=True):
             if t.is_alive():
                 where = (
@@ -235,8 +238,8 @@ class ReshardDeployment(Deployment):
                 )
                 stuck.append(f"{key} had not returned, at:\n{where}")
                 if key.startswith("engine "):
-                    self._stuck_engines.append(int(key.split()[1]))
-        return stuck, [e for e in outcome.values() if e is not None]
+                    stuck_engines.append(int(key.split()[1]))
+        return stuck, stuck_engines, [e for e in outcome.values() if e is not None]
 
     def _abandon_engine(self, i: int) -> None:
         """Engine `i` is stuck in a join (its leader's thread holds its lock): its worker ranks are killed,
@@ -361,15 +364,14 @@ class ReshardBackend(Backend):
         device: str = "cpu",
     ):
         self.device = device
-        if (
-            device != "cpu"
-        ):  # every rank on this GPU: the ipc plane, device to device (sync.choose_data_plane)
+        # every rank on this GPU: the ipc plane, device to device (sync.choose_data_plane)
+        if device != "cpu":
             self.ceiling = "device-copy"
             self.bandwidth_floor = GPU_BANDWIDTH_FLOOR
             self.fixed_cost_ms = GPU_FIXED_COST_MS
             self.floor_reason = GPU_FLOOR_REASON
             # N + 2M CUDA contexts per fault cell's deployment: 8 workers x 2 suites at once on the H100
-            # started worlds that took past 30 s to form (2026-12-06)
+            # (run1, 2026-12-06) started up to 16 worlds, 112 processes, on one GPU at once
             self.max_jobs = 4
         elif os.environ.get(PLANE_ENV) == IPC:  # named: engine ranks copy out of /dev/shm
             self.ceiling = "memcpy"

@@ -90,7 +90,7 @@ class TPRank:
         self.groups: dict[tuple[int, int], object] = {}
         self.store: dist.Store | None = None  # the world's store (the ipc plane's buffers are named there)
         self.replica = 0
-        self.opened = ipc_plane.OpenedShards()
+        self.opened = ipc_plane.OpenedBuffers()
         self._plans: dict[tuple, object] = {}
         self.reset()
 

@@ -42,42 +42,29 @@ def _read_key(sync: str, s: int, d: int, q: int) -> str:
     return f"{sync}/read-{s}-{d}-{q}"
 
 
-def _sync_device(t: torch.Tensor) -> None:
+def sync_device(t: torch.Tensor) -> None:
     """Another process reads or overwrites these bytes next: the copies must have landed (no stream
     orders work across processes)."""
     if t.is_cuda:
         torch.cuda.synchronize(t.device)
 
 
-class TrainerShardBuffer:
-    """Trainer rank `rank`'s own flat buffer of its local shards on `device`, kept across versions while
-    its size holds (a fresh /dev/shm file costs a page fault per page on every sync)."""
+class SharedBuffer:
+    """A flat buffer on `device` that other processes of this host map: a /dev/shm file
+    (`wsync-<pid>-reshard-<label>-<hex>`) on the CPU, a CUDA allocation shared by its IPC handle on a GPU.
+    Kept across versions while its size holds and, on the CPU, its file is still there at that size (a
+    fresh file costs a page fault per page on every sync); `ref` is what another process opens it by
+    (`open_ref`)."""
 
-    def __init__(self, rank: int, device: str = "cpu"):
-        self.rank, self.device = rank, torch.device(device)
+    def __init__(self, label: str, device: str | torch.device = "cpu"):
+        self.label, self.device = label, torch.device(device)
         self.buf: torch.Tensor | None = None
-        self.ref: dict | None = None  # what an engine rank opens it by
+        self.ref: dict | None = None
         self.path: str | None = None
 
-    def fill(self, local: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, list]]:
-        """Copy `local` ({name: this rank's rows}) into the buffer; (ref, layout {name: [offset, shape]})."""
-        layout, off = {}, 0
-        for name, t in local.items():
-            layout[name] = [off, list(t.shape)]
-            off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        buf = self._buffer(max(off, 1))
-        dtype = next(iter(local.values())).dtype if local else torch.uint8
-        for name, view in views(buf, layout, dtype).items():
-            view.copy_(local[name])
-        _sync_device(buf)
-        return self.ref, layout
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if (
-            self.buf is not None
-            and self.buf.numel() == nbytes
-            and (self.path is None or os.path.exists(self.path))
-        ):
+    def get(self, nbytes: int) -> torch.Tensor:
+        """The buffer, of `nbytes`: the last one again where it still holds, else a new one."""
+        if self.buf is not None and self.buf.numel() == nbytes and self._file_holds(nbytes):
             return self.buf
         self.release()
         if self.device.type == "cuda":
@@ -87,13 +74,21 @@ class TrainerShardBuffer:
             self.ref = {"cuda": cuda_handle(self.buf)}
         else:
             self.path = os.path.join(
-                SHM_DIR, f"wsync-{os.getpid()}-reshard-shard{self.rank}-{secrets.token_hex(4)}"
+                SHM_DIR, f"wsync-{os.getpid()}-reshard-{self.label}-{secrets.token_hex(6)}"
             )
             with open(self.path, "wb") as f:
                 f.truncate(nbytes)
             self.buf = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
             self.ref = {"path": self.path, "size": nbytes}
         return self.buf
+
+    def _file_holds(self, nbytes: int) -> bool:
+        if self.path is None:
+            return True
+        try:
+            return os.path.getsize(self.path) == nbytes
+        except FileNotFoundError:  # removed by someone else since: a new one
+            return False
 
     def release(self) -> None:
         self.buf, self.ref = None, None
@@ -103,6 +98,26 @@ class TrainerShardBuffer:
             except FileNotFoundError:  # swept by someone else: nothing left to release
                 pass
             self.path = None
+
+
+class TrainerShardBuffer(SharedBuffer):
+    """Trainer rank `rank`'s own flat buffer of its local shards."""
+
+    def __init__(self, rank: int, device: str = "cpu"):
+        super().__init__(f"shard{rank}", device)
+
+    def fill(self, local: Mapping[str, torch.Tensor]) -> tuple[dict, dict[str, list]]:
+        """Copy `local` ({name: this rank's rows}) into the buffer; (ref, layout {name: [offset, shape]})."""
+        layout, off = {}, 0
+        for name, t in local.items():
+            layout[name] = [off, list(t.shape)]
+            off += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        buf = self.get(max(off, 1))
+        dtype = next(iter(local.values())).dtype if local else torch.uint8
+        for name, view in views(buf, layout, dtype).items():
+            view.copy_(local[name])
+        sync_device(buf)
+        return self.ref, layout
 
 
 def open_ref(ref: Mapping) -> torch.Tensor:
@@ -131,7 +146,8 @@ def publish(
     of `replicas`) whose plan reads from it has read it. Returns the bytes read out of it."""
     ref, layout = buffer.fill(local)
     store.set(_shard_key(sync, rank), json.dumps({"ref": ref, "layout": layout}))
-    readers = sorted({t.dst for _, t in plan.sends_of(rank)})
+    sends = plan.sends_of(rank)
+    readers = sorted({t.dst for _, t in sends})
     keys = [_read_key(sync, rank, d, q) for d in readers for q in range(replicas)]
     if keys:
         try:
@@ -142,22 +158,24 @@ def publish(
                 f"trainer rank {rank}: engine ranks did not read its shards within {timeout_s:g}s "
                 f"(unset: {', '.join(missing) or 'none'}): {type(exc).__name__}: {str(exc)[:200]}"
             ) from exc
-    return sum(t.nbytes for _, t in plan.sends_of(rank)) * replicas
+    return sum(t.nbytes for _, t in sends) * replicas
 
 
-class OpenedShards:
-    """An engine rank's mappings of the trainer ranks' buffers, kept while each rank publishes the same
-    buffer (opening a CUDA IPC handle costs a driver call per sync otherwise)."""
+class OpenedBuffers:
+    """A process's mappings of other processes' `SharedBuffer`s, one per slot (an engine rank's: one per
+    trainer rank; a trainer rank's: the trainer's staging buffer), kept while the slot's buffer stays the
+    same: the whole ref is the key (a new CUDA buffer may lie in the same allocation at another offset),
+    and opening a CUDA IPC handle costs a driver call per sync otherwise."""
 
     def __init__(self):
-        self._open: dict[int, tuple[str, torch.Tensor]] = {}
+        self._open: dict[object, tuple[str, torch.Tensor]] = {}
 
-    def get(self, s: int, ref: Mapping) -> torch.Tensor:
+    def get(self, slot: object, ref: Mapping) -> torch.Tensor:
         key = json.dumps(ref, sort_keys=True)
-        if s not in self._open or self._open[s][0] != key:
-            self._open.pop(s, None)
-            self._open[s] = (key, open_ref(ref))
-        return self._open[s][1]
+        if slot not in self._open or self._open[slot][0] != key:
+            self._open.pop(slot, None)  # the last mapping closed before the next opens
+            self._open[slot] = (key, open_ref(ref))
+        return self._open[slot][1]
 
 
 def read(
@@ -168,7 +186,7 @@ def read(
     shards,
     replica: int,
     timeout_s: float,
-    opened: OpenedShards,
+    opened: OpenedBuffers,
 ) -> int:
     """Engine `rank`'s (of `replica`) side of one sync: copy every planned slice out of the trainer ranks'
     buffers into `shards` (`sync.EngineShards`); the bytes copied. Each buffer it read from (or meant to)
@@ -189,7 +207,7 @@ def read(
                 ) from exc
             meta = json.loads(store.get(_shard_key(sync, s)))
             mapped[s] = views(opened.get(s, meta["ref"]), meta["layout"], dtype)
-        moved = 0
+        moved, dst = 0, None
         for i, t in todo:
             src = mapped[t.src].get(t.source)
             if src is None:
@@ -209,9 +227,8 @@ def read(
                 )
             dst.copy_(src)
             moved += t.nbytes
-        for t in shards.tensors.values():
-            _sync_device(t)
-            break
+        if dst is not None:  # the trainer rank may refill its buffer once marked read
+            sync_device(dst)
         return moved
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"[:300]

@@ -15,7 +15,6 @@ The receiver's engine is duck-typed (this layer sits below the engines): `receiv
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 from collections.abc import Mapping
 
@@ -35,19 +34,12 @@ from harness.api import (
 from harness.lifecycle import FAILED, NEW, READY, UPDATING, Lifecycle
 from harness.manifest import digests, dtype_name
 from harness.paths.ipc import sweep_abandoned_segments
+from harness.reshard.ipc_plane import SharedBuffer
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names, planner_path
 from harness.reshard.sync import BROADCAST, data_plane
 from harness.reshard.trainer_ranks import SEND, TrainerRanks
-
-#: /dev/shm files of a version's full tensors: named as the ipc path names its segments (`wsync-<pid>-`),
-#: so the harness's leak checks count them
-SHM_DIR = "/dev/shm"
-
-
-def shm_name() -> str:
-    return f"wsync-{os.getpid()}-reshard-{secrets.token_hex(6)}"
 
 
 class ReshardSender(Sender):
@@ -67,9 +59,8 @@ class ReshardSender(Sender):
         self.ranks, self.model, self.dtype, self.device = ranks, model, dtype, torch.device(device)
         self.engines, self.replicas, self.timeout_s = engines, replicas, timeout_s
         self.spec = {n: TensorSpec(s, DTYPES[dtype]) for n, s in model.checkpoint_shapes().items()}
-        self.path: str | None = None  # the /dev/shm file the trainer ranks read a version from
-        self._flat: torch.Tensor | None = None  # its mapping here (on a GPU: a device buffer)
-        self._handle: JSON | None = None  # on a GPU, the buffer's CUDA IPC handle
+        #: where the trainer ranks read a version from: a /dev/shm file, on a GPU a device buffer
+        self.staging = SharedBuffer("staging", self.device)
         self._send: dict | None = None
         #: bytes each trainer rank sent in the last transmit (all replicas), rank 0 first
         self.sent_bytes: list[int] = []
@@ -103,7 +94,7 @@ class ReshardSender(Sender):
             tensors[name] = t
             layout[name] = [offset, list(s.shape)]
             offset += t.numel() * t.element_size()
-        flat = self._staging(max(offset, 1))
+        flat = self.staging.get(max(offset, 1))
         for name, (at, _) in layout.items():
             # read again to move it, as every path reads a version twice (its manifest, then its bytes)
             t = named_tensors[name].detach()
@@ -117,8 +108,7 @@ class ReshardSender(Sender):
             "version": version,
             "sync": sync,
             "names": names,
-            "path": self.path,
-            "cuda": self._handle,
+            "staging": self.staging.ref,
             "layout": layout,
             "dtype": self.dtype,
             "model": dataclasses.asdict(self.model),
@@ -166,56 +156,21 @@ class ReshardSender(Sender):
             raise LifecycleError("transmit before prepare")
         self.sent_bytes = self.ranks.call(SEND, [self._send] * self.ranks.n, self.timeout_s)
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        """The /dev/shm file a version is written to, mapped: the last one again where it is still there
-        and of this size (a fresh file costs a page fault per page on every sync), else a new one. On a
-        GPU, a device buffer the trainer ranks open by its CUDA IPC handle (kept while its size holds)."""
-        if self.device.type == "cuda":
-            if self._flat is None or self._flat.numel() != nbytes:
-                from harness.paths.ipc import cuda_handle
-
-                self._flat = None
-                self._flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                self._handle = cuda_handle(self._flat)
-            return self._flat
-        if self.path is not None and self._flat is not None and self._flat.numel() == nbytes:
-            try:
-                if os.path.getsize(self.path) == nbytes:
-                    return self._flat
-            except FileNotFoundError:  # removed by someone else since: a new one
-                pass
-        self._unlink()
-        path = os.path.join(SHM_DIR, shm_name())
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        self.path = path
-        self._flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        return self._flat
-
     def complete(self, committed: bool) -> None:
         """The file is kept for the next version after a commit (the ranks read it only while sending)."""
         self._send = None
         if not committed:
-            self._unlink()
+            self.staging.release()
 
     def _release(self) -> None:
         self._send = None
-
-    def _unlink(self) -> None:
-        self._flat, self._handle = None, None
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:  # removed by someone else: nothing left to release
-                pass
-            self.path = None
 
     def diagnose(self) -> list[str]:
         return [self.ranks.describe(r) for r in range(self.ranks.n) if not self.ranks.alive(r)]
 
     def shutdown(self) -> None:
         self._send = None
-        self._unlink()
+        self.staging.release()
 
 
 class ReshardReceiver(Receiver):

@@ -10,7 +10,6 @@ one that does not answer in time with its kernel state, and either is replaced b
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
@@ -43,20 +42,6 @@ JOIN, SEND, PING, STOP = "join", "send", "ping", "stop"
 IDLE_S = 3600.0
 
 
-def map_full_tensors(path: str, layout: Mapping[str, Sequence], dtype: str) -> dict[str, torch.Tensor]:
-    """The full tensors a sender wrote to `path` ({name: [byte offset, shape]}), mapped, not copied."""
-    size = os.path.getsize(path)
-    flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-    return views(flat, dict(layout), DTYPES[dtype])
-
-
-def open_full_tensors(handle: Mapping, layout: Mapping[str, Sequence], dtype: str) -> dict[str, torch.Tensor]:
-    """The full tensors a sender wrote to a device buffer (its CUDA IPC `handle`), opened, not copied."""
-    from harness.paths.ipc import open_cuda_handle
-
-    return views(open_cuda_handle(handle), dict(layout), DTYPES[dtype])
-
-
 def local_shards(full: Mapping[str, torch.Tensor], n: int, rank: int) -> dict[str, torch.Tensor]:
     """Trainer `rank`'s Shard(0) rows of each tensor (views: nothing else of the tensor is read)."""
     out = {}
@@ -74,7 +59,7 @@ class _Rank:
         self.world: dist.ProcessGroup | None = None
         self.broken: list[dist.ProcessGroup] = []  # a failed gloo group is kept: its teardown may block
         self.plans: dict[tuple, Any] = {}
-        self._mapped: tuple | None = None
+        self.opened = ipc_plane.OpenedBuffers()  # the trainer's staging buffer, mapped
         self.plane = P2P  # the world's data plane; on the broadcast plane, this rank's groups
         self.groups: dict[tuple[int, int], Any] = {}
         self.store: dist.Store | None = None  # the world's store, where the ipc plane names its buffers
@@ -105,22 +90,9 @@ class _Rank:
             self.buffer = None
 
     def mapped(self, p: dict) -> dict[str, torch.Tensor]:
-        """The version's full tensors, mapped (the mapping of the last version again where the trainer
-        wrote this one to the same file or device buffer, of the same size and layout): a /dev/shm file
-        (`p["path"]`) or a device buffer (`p["cuda"]`, its CUDA IPC handle)."""
-        layout, dtype = p["layout"], p["dtype"]
-        if p.get("cuda") is not None:
-            # the whole handle: a new staging buffer may lie in the same allocation at another offset
-            key = ("cuda", json.dumps(p["cuda"], sort_keys=True), repr(sorted(layout.items())), dtype)
-            if self._mapped is None or self._mapped[0] != key:
-                self._mapped = None  # the last mapping closed before the next opens
-                self._mapped = (key, open_full_tensors(p["cuda"], layout, dtype))
-            return self._mapped[1]
-        path = p["path"]
-        key = (path, os.path.getsize(path), repr(sorted(layout.items())), dtype)
-        if self._mapped is None or self._mapped[0] != key:
-            self._mapped = (key, map_full_tensors(path, layout, dtype))
-        return self._mapped[1]
+        """The version's full tensors, mapped from the trainer's staging buffer (`p["staging"]`: a /dev/shm
+        file, or a device buffer by its CUDA IPC handle; the last mapping again while it is the same one)."""
+        return views(self.opened.get("staging", p["staging"]), dict(p["layout"]), DTYPES[p["dtype"]])
 
     def send(self, p: dict) -> int:
         if self.world is None:
