@@ -8,9 +8,10 @@ tensor-parallel engines of M ranks each (issue 39 item 1).
     ReshardReceiver: vLLM's lifecycle         <------ receive straight into fresh shards, stage; finish
                                                       commits on every rank or none (vote-then-swap)
 
-One gloo world of N + R x M ranks (trainers first, then each engine's ranks: `plan.world_rank`), its store
-hosted here (on the ipc plane, the GPU variant's, the bytes move through buffers the store names, not
-gloo); after a failed sync `recover()` replaces what died or hung and every rank joins a new world.
+One world of N + R x M ranks (trainers first, then each engine's ranks: `plan.world_rank`), its store
+hosted here: gloo on the host; on one GPU the ipc plane, whose bytes move through buffers the store names
+(gloo forms the world); with a GPU per rank, NCCL, each rank on its own GPU (`reshard.collective`). After
+a failed sync `recover()` replaces what died or hung and every rank joins a new world.
 The shape comes from the command line (`weightsync certify --backend reshard --trainer-ranks N --tp M`),
 carried to every process of the run as the device is (`RESHARD_ENV`)."""
 
@@ -27,6 +28,7 @@ import traceback
 import uuid
 import warnings
 
+from harness import deadline, host_load
 from harness.api import (
     DEFAULT_ENGINE,
     DEFAULT_TIMEOUT_S,
@@ -43,6 +45,9 @@ from harness.api import (
     WeightSyncError,
 )
 from harness.engines.tp_reference import TP_MODEL, TPReferenceEngine
+from harness.launch.rank_deployment import RESTART_FACTOR, RESTART_FLOOR_S
+from harness.launch.supervision import KILL_S, POLL_INTERVAL
+from harness.reshard.collective import NCCL, gpu_count, placement
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.path import ReshardReceiver, ReshardSender
 from harness.reshard.sync import IPC, PLANE_ENV
@@ -67,10 +72,20 @@ JOIN_GRACE_S = 15.0
 #: to processes (trainer ranks' pipes, the TP group's commands). Fitted on the H100 (two engines,
 #: 2026-12-06): 0.40 and 0.74 of the verified ceiling, 18 and 31 ms fixed
 GPU_BANDWIDTH_FLOOR, GPU_FIXED_COST_MS = 0.2, 80.0
+#: engine replicas a deployment holds at most (Capabilities.max_receivers): a host with a GPU for each of
+#: N + MAX_REPLICAS x M ranks runs the NCCL variant
+MAX_REPLICAS = 2
 GPU_FLOOR_REASON = (
     "three device copies of each version (trainer staging, each trainer rank's shard, each engine rank's "
     "shard) and two digests, where the device-copy ceiling copies once; fitted at 0.40 and 0.74 of it, "
     "18 and 31 ms fixed, on the H100 (two engines, 2026-12-06)"
+)
+#: The NCCL variant (a GPU per rank) keeps the CPU variant's floor of 0.2 of its ceiling until a run on
+#: such a host fits one: no host with a GPU per rank has been lent to this project yet
+NCCL_FLOOR_REASON = (
+    "each transfer one NCCL send (or broadcast) from the trainer rank's GPU to its engine ranks' GPUs, "
+    "besides one staging copy of each version and two digests on the device; floored at 0.2 of the "
+    "verified NCCL ceiling, as the gloo variant is, until a host with a GPU per rank measures it"
 )
 #: engines it delivers into: its own TP engine whatever the run names (the engine is half of the path),
 #: so the reference engine's name and the fault cells' wrapper are taken as "the engine under test"
@@ -120,28 +135,43 @@ class ReshardDeployment(Deployment):
         self.timeout_s, self.model, self.device = timeout_s, model, device
         self.join_s = JOIN_S if device == "cpu" else GPU_JOIN_S
         self.n_trainers, self.tp, self.replicas = n_trainers, tp, replicas
+        #: gloo, or NCCL with a GPU per rank; where each world rank keeps its shards
+        self.collective, self.devices = placement(self.world_size, device, gpu_count(device))
         self.restarts = 0
         self.handles: list[EngineHandle] = []
         #: each engine's receiver (a fault may wrap the one its handle holds for a push)
         self.receivers: list[ReshardReceiver] = []
         self.trainer_ranks: TrainerRanks | None = None
         self._store = None
+        t0 = time.monotonic()
         try:
             self.trainer_ranks = TrainerRanks(n_trainers)
             for i in range(replicas):
-                engine = self._engine()
+                engine = self._engine(i)
                 self.receivers.append(ReshardReceiver(engine, f"engine {i}"))
                 self.handles.append(EngineHandle(self.receivers[-1], engine))
-            self.sender = ReshardSender(self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s, device)
+            self.sender = ReshardSender(
+                self.trainer_ranks, model, DTYPE, tp, replicas, timeout_s, self.devices[0], self.collective
+            )
             self.own_engine = ReshardBackend.own_engine
             self.connect()
         except BaseException:
             self.close()
             raise
+        #: how long the deployment took to form, measured: every rank started, the world joined (a
+        #: recovery redoes part of it, and gets RESTART_FACTOR x this of its own)
+        self.formed_s = time.monotonic() - t0
 
-    def _engine(self) -> TPReferenceEngine:
+    def _engine(self, i: int) -> TPReferenceEngine:
+        """Engine `i`: its ranks on their devices (with NCCL, each its own GPU)."""
+        base = self.n_trainers + i * self.tp
+        devices = self.devices[base : base + self.tp]
         return TPReferenceEngine(
-            self.model, tp=self.tp, dtype=DTYPE, timeout_s=self.timeout_s, device=self.device
+            self.model,
+            tp=self.tp,
+            dtype=DTYPE,
+            timeout_s=self.timeout_s,
+            device=devices[0] if len(set(devices)) == 1 else devices,
         )
 
     @property
@@ -174,6 +204,8 @@ class ReshardDeployment(Deployment):
             # the data plane and, on the broadcast plane, what each rank needs to form its groups
             "plane": self.sender.plane,
             "device": self.device,  # where every rank's shards live (the ipc plane's buffers)
+            "collective": self.collective,  # gloo, or NCCL with a GPU per rank ...
+            "devices": self.devices,  # ... each world rank's
             "trainers": self.n_trainers,
             "engines": self.tp,
             "replicas": self.replicas,
@@ -246,7 +278,7 @@ class ReshardDeployment(Deployment):
         the object left to its thread, a fresh engine in its place."""
         h = self.handles[i]
         h.engine.workers.close(within_s=0)
-        h.engine = self._engine()
+        h.engine = self._engine(i)
         self.receivers[i].rebind(h.engine)
         self.restarts += 1
 
@@ -285,21 +317,49 @@ class ReshardDeployment(Deployment):
         for i, (h, receiver) in enumerate(zip(self.handles, self.receivers, strict=True)):
             if not self._engine_ok(h.engine):
                 h.engine.shutdown()
-                h.engine = self._engine()
+                h.engine = self._engine(i)
                 receiver.rebind(h.engine)
                 self.restarts += 1
                 replaced.append(i)
         return replaced
 
+    def recovery_budget_s(self) -> float:
+        """How long a recovery may take: RESTART_FACTOR x what forming the deployment took (measured at
+        deploy, every rank started side by side), at least RESTART_FLOOR_S."""
+        return max(RESTART_FACTOR * self.formed_s, RESTART_FLOOR_S)
+
     def recover(self) -> None:
-        """Replace engines and trainer ranks that died or hung, then a new world for everyone."""
-        self._replace_failed_engines()
-        self.restarts += len(self.trainer_ranks.restart_unhealthy())
-        for r in self.receivers:
-            with contextlib.suppress(WeightSyncError):  # an engine that cannot abort is replaced
-                r.abort_weight_update()
-        self.sender.reset_base()
-        self.connect()
+        """Replace engines and trainer ranks that died or hung, then a new world for everyone. Inside a
+        watched phase (a push that recovers from a rank that died at its start) the phase's clock stops
+        meanwhile and the recovery has a budget of its own, from this deployment's measured formation:
+        on a GPU every replaced rank makes a CUDA context and the world forms again, which a phase's
+        slack was never meant to pay (the H100, 2026-12-06: a receiver killed in start overran 18 s)."""
+        budget = self.recovery_budget_s()
+        what = f"re-forming the resharding world (it formed in {self.formed_s:.2f} s at deploy)"
+        # the join's own bound (join_s + JOIN_GRACE_S) names a stuck side first where it is the shorter;
+        # the watch is the backstop, extended by what the host kept the recovery waiting for a CPU
+        backstop = budget * (1 + host_load.MAX_EXTENSION) + KILL_S + POLL_INTERVAL
+        with deadline.paused(what, backstop):
+            steps, t0 = [], time.monotonic()
+            replaced = self._replace_failed_engines()
+            steps.append(f"engines replaced {replaced} in {time.monotonic() - t0:.2f} s")
+            t0 = time.monotonic()
+            restarted = self.trainer_ranks.restart_unhealthy()
+            self.restarts += len(restarted)
+            steps.append(f"trainer ranks restarted {restarted} in {time.monotonic() - t0:.2f} s")
+            t0 = time.monotonic()
+            for r in self.receivers:
+                with contextlib.suppress(WeightSyncError):  # an engine that cannot abort is replaced
+                    r.abort_weight_update()
+            self.sender.reset_base()
+            steps.append(f"aborted in {time.monotonic() - t0:.2f} s")
+            t0 = time.monotonic()
+            self.connect()
+            steps.append(f"world formed in {time.monotonic() - t0:.2f} s")
+            # where a recovery's time went, beside a failing test's output (captured stderr)
+            print(
+                f"reshard recovery ({budget:.1f} s budget): {'; '.join(steps)}", file=sys.stderr, flush=True
+            )
 
     def reset(self, spec: WeightSpec | None = None) -> None:
         check_spec(spec, self.model)
@@ -335,10 +395,11 @@ def check_spec(spec: WeightSpec | None, shape: ModelShape = TP_MODEL) -> None:
 
 
 class ReshardBackend(Backend):
-    """Built-in backend `reshard`: N trainer ranks -> R engines of TP M over one gloo world."""
+    """Built-in backend `reshard`: N trainer ranks -> R engines of TP M over one world (gloo; NCCL with a
+    GPU per rank)."""
 
     name = "reshard"
-    ceiling = "gloo"  # every transfer is a gloo send from a trainer rank to an engine rank
+    ceiling = "gloo"  # on the host every transfer is a gloo send from a trainer rank to an engine rank
     measure = "harness.reshard_throughput:measure_sync"  # a fixed model: rows are models of each size
     bandwidth_floor = 0.2
     floor_reason = (
@@ -352,8 +413,9 @@ class ReshardBackend(Backend):
         "the planned shards; the reference engine's name stands for it. Data plane: point to point for one "
         "engine, broadcast per engine rank group for two or more (each transfer one broadcast from its "
         "trainer rank to the copies of its engine rank, where point to point would send it once per "
-        "engine); on a GPU, every rank on it, ipc (each engine rank copies its slices out of the trainer "
-        f"ranks' shards through CUDA IPC handles; on the host, /dev/shm); {PLANE_ENV} names one"
+        "engine); on one GPU, every rank on it, ipc (each engine rank copies its slices out of the trainer "
+        "ranks' shards through CUDA IPC handles; on the host, /dev/shm); with a GPU per rank, point to point "
+        f"or broadcast over NCCL, device to device; {PLANE_ENV} names one"
     )
 
     def __init__(
@@ -364,15 +426,20 @@ class ReshardBackend(Backend):
         device: str = "cpu",
     ):
         self.device = device
-        # every rank on this GPU: the ipc plane, device to device (sync.choose_data_plane)
+        #: the NCCL variant where every rank of the largest deployment has a GPU of its own
+        self.collective, _ = placement(trainer_ranks + MAX_REPLICAS * tp, device, gpu_count(device))
         if device != "cpu":
+            # N + 2M CUDA contexts per fault cell's deployment: 8 workers x 2 suites at once on the H100
+            # (run1, 2026-12-06) started up to 16 worlds, 112 processes, on one GPU at once
+            self.max_jobs = 4
+        if self.collective == NCCL:  # p2p / broadcast device to device, each rank on its GPU
+            self.ceiling = "nccl"
+            self.floor_reason = NCCL_FLOOR_REASON
+        elif device != "cpu":  # every rank on this GPU: the ipc plane (sync.choose_data_plane)
             self.ceiling = "device-copy"
             self.bandwidth_floor = GPU_BANDWIDTH_FLOOR
             self.fixed_cost_ms = GPU_FIXED_COST_MS
             self.floor_reason = GPU_FLOOR_REASON
-            # N + 2M CUDA contexts per fault cell's deployment: 8 workers x 2 suites at once on the H100
-            # (run1, 2026-12-06) started up to 16 worlds, 112 processes, on one GPU at once
-            self.max_jobs = 4
         elif os.environ.get(PLANE_ENV) == IPC:  # named: engine ranks copy out of /dev/shm
             self.ceiling = "memcpy"
         if trainer_ranks < 1 or tp < 1:
@@ -387,7 +454,7 @@ class ReshardBackend(Backend):
             gpu=device != "cpu",
             dtypes=frozenset({DTYPES[DTYPE]}),
             multi_receiver=True,
-            max_receivers=2,  # N + 2 x M processes: what a 2-core, 8 GiB tier holds beside the other paths
+            max_receivers=MAX_REPLICAS,  # N + 2 x M processes: what a 2-core, 8 GiB tier holds beside the other paths
             arbitrary_tensors=False,  # the TP engine serves one model
             trainer_ranks=True,  # N trainer rank processes: the trainer-rank fault cells strike them
         )
@@ -416,6 +483,7 @@ class ReshardBackend(Backend):
 
 def make_backend(device: str = "cpu") -> ReshardBackend:
     """The run's shape (RESHARD_ENV: `--trainer-ranks N --tp M`), else 3 trainer ranks into TP 2; on a GPU
-    `device`, every trainer and engine rank on it (the ipc plane: CUDA IPC handles)."""
+    `device`, every trainer and engine rank on it (the ipc plane: CUDA IPC handles), or where the host has a
+    GPU for each rank, each on its own (NCCL)."""
     n, m = shape_from_env()
     return ReshardBackend(n, m, device=device)

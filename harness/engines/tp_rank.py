@@ -27,6 +27,7 @@ from harness.engines.tp_group import (
     receive_command,
 )
 from harness.reshard import ipc_plane
+from harness.reshard.collective import GLOO, new_group, rank_device, wire_device
 from harness.reshard.layout import DTYPES, EngineLayout, ModelShape, engine_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names
@@ -85,6 +86,7 @@ class TPRank:
         self.seed = seed
         self.world: dist.ProcessGroup | None = None  # the resharded sync's world, once joined
         self.world_rank: int | None = None
+        self.wire = torch.device("cpu")  # where the world's collective delivers its messages
         self._broken_worlds: list[dist.ProcessGroup] = []  # kept: tearing down a failed gloo group may block
         self.plane = P2P  # the world's data plane; on the broadcast plane, this rank's groups in it
         self.groups: dict[tuple[int, int], object] = {}
@@ -193,9 +195,15 @@ class TPRank:
             self._broken_worlds.append(self.world)
         store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
         self.world_rank = w["base"] + self.rank
-        self.world = dist.ProcessGroupGloo(
-            dist.PrefixStore(w["prefix"], store), self.world_rank, w["size"], join
+        self.world = new_group(
+            w.get("collective", GLOO),
+            dist.PrefixStore(w["prefix"], store),
+            self.world_rank,
+            w["size"],
+            join,
+            rank_device(w, self.world_rank),
         )
+        self.wire = wire_device(w, self.world_rank)  # where its messages land: host memory for gloo
         self.world_timeout_s = w["timeout_s"]
         self._broken_worlds += [g.pg for g in self.groups.values()]
         self.plane = w.get("plane", P2P)
@@ -233,11 +241,11 @@ class TPRank:
                     self.world_timeout_s,
                     self.opened,
                 )
-            elif self.plane == BROADCAST:
-                shards = EngineShards(plan, self.rank)  # gloo carries host memory: staged onto the device
+            elif self.plane == BROADCAST:  # landed where the collective delivers, staged onto the device
+                shards = EngineShards(plan, self.rank, self.wire)
                 moved = receive_broadcast_shards(plan, self.rank, shards, self.groups)
             else:
-                shards = EngineShards(plan, self.rank)
+                shards = EngineShards(plan, self.rank, self.wire)
                 moved = receive_shards(plan, self.rank, shards, pg=self.world, timeout_s=self.world_timeout_s)
             tied = plan.tied()
             got = {n: t for n, t in shards.tensors.items() if n not in tied}
@@ -318,8 +326,19 @@ class TPRank:
         return out
 
 
+def rank_device_of(device: str | Sequence[str], rank: int) -> str:
+    """TP rank `rank`'s device: the engine's one device, or its own of one per rank (a GPU per rank)."""
+    return device if isinstance(device, str) else device[rank]
+
+
 def rank_main(
-    info: GroupInfo, shape: dict, dtype: str, seed: int, rank_impl: str, idle_s: float, device: str = "cpu"
+    info: GroupInfo,
+    shape: dict,
+    dtype: str,
+    seed: int,
+    rank_impl: str,
+    idle_s: float,
+    device: str | Sequence[str] = "cpu",
 ) -> None:
     """A worker rank's life: join the group, serve the leader's commands until STOP; any error ends it."""
     from harness.registry import load_object
@@ -330,7 +349,13 @@ def rank_main(
         store.add(READY_KEY, 1)  # up (imports done): the leader builds its side of the group now
         pg = join(info, store)
         rank = load_object(rank_impl)(
-            info.rank, info.size, ModelShape(**shape), dtype, seed, pg, device=device
+            info.rank,
+            info.size,
+            ModelShape(**shape),
+            dtype,
+            seed,
+            pg,
+            device=rank_device_of(device, info.rank),
         )
         while True:
             op, payload = receive_command(pg, idle_s)

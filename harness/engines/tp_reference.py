@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -45,6 +45,7 @@ from harness.engines.tp_rank import (
     STEP,
     STOP,
     cut_shards,
+    rank_device_of,
     rank_main,
     shard_shapes,
 )
@@ -80,7 +81,7 @@ class TPReferenceEngine(BatchingEngine):
         start_within_s: float = 120.0,
         idle_s: float = 3600.0,
         rank_impl: str = RANK_IMPL,
-        device: str = "cpu",
+        device: str | Sequence[str] = "cpu",
     ):
         self.shape, self.tp, self.dtype, self.max_batch, self.timeout_s = (
             shape,
@@ -102,7 +103,9 @@ class TPReferenceEngine(BatchingEngine):
         )
         try:
             self._pg = join(self.workers.info, self.workers.store)
-            self.rank = load_object(rank_impl)(0, tp, shape, dtype, seed, self._pg, device=device)
+            self.rank = load_object(rank_impl)(
+                0, tp, shape, dtype, seed, self._pg, device=rank_device_of(device, 0)
+            )
         except BaseException:
             self.workers.close(0)
             raise

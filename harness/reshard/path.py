@@ -34,6 +34,7 @@ from harness.api import (
 from harness.lifecycle import FAILED, NEW, READY, UPDATING, Lifecycle
 from harness.manifest import digests, dtype_name
 from harness.paths.ipc import sweep_abandoned_segments
+from harness.reshard.collective import GLOO
 from harness.reshard.ipc_plane import SharedBuffer
 from harness.reshard.layout import DTYPES, ModelShape
 from harness.reshard.oracle import expected_engine_shards
@@ -55,6 +56,7 @@ class ReshardSender(Sender):
         replicas: int,
         timeout_s: float,
         device: str = "cpu",
+        collective: str = GLOO,
     ):
         self.ranks, self.model, self.dtype, self.device = ranks, model, dtype, torch.device(device)
         self.engines, self.replicas, self.timeout_s = engines, replicas, timeout_s
@@ -65,7 +67,7 @@ class ReshardSender(Sender):
         #: bytes each trainer rank sent in the last transmit (all replicas), rank 0 first
         self.sent_bytes: list[int] = []
         #: the data plane (p2p: each transfer sent to every replica; broadcast: once per engine rank group)
-        self.plane, self.plane_why = data_plane(replicas, device=str(self.device))
+        self.plane, self.plane_why = data_plane(replicas, device=str(self.device), collective=collective)
         self.planner = planner_path()
         sweep_abandoned_segments()  # a trainer SIGKILLed mid-push could not remove its version's file
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from harness.api import BackendError, ManifestMismatch, TransferError
+from harness.reshard.collective import GLOO, NCCL, new_group, rank_device
 from harness.reshard.layout import DTYPES, REPLICATE
 from harness.reshard.plan import ReshardPlan, Transfer, world_rank
 
@@ -33,35 +34,41 @@ DATA_PLANES = (P2P, BROADCAST, IPC)
 WIRE_PLANES = (P2P, BROADCAST)
 
 
-def choose_data_plane(replicas: int, device: str = "cpu") -> tuple[str, str]:
-    """The data plane for `replicas` engine replicas whose ranks all live on `device`, and why (the report
-    prints both). On a GPU every rank shares it: the engine ranks read the trainer ranks' shards through
-    CUDA IPC handles, device to device. On the host, the bytes a trainer rank hands gloo per transfer:
-    point to point, one send per replica; broadcast, one call for all of them (gloo carries them along a
-    binomial tree)."""
-    if device != "cpu":
+def choose_data_plane(replicas: int, device: str = "cpu", collective: str = GLOO) -> tuple[str, str]:
+    """The data plane for `replicas` engine replicas whose ranks live on `device` (with a GPU each where
+    `collective` is NCCL), and why (the report prints both). Every rank on one GPU: the engine ranks read
+    the trainer ranks' shards through CUDA IPC handles, device to device. Otherwise by the bytes a trainer
+    rank hands the collective per transfer: point to point, one send per replica; broadcast, one call for
+    all of them (gloo carries them along a binomial tree, NCCL along its ring or tree)."""
+    if device != "cpu" and collective != NCCL:
         return IPC, (
             f"every rank on {device}: each engine rank copies its planned slices straight out of the trainer "
             "ranks' shards through CUDA IPC handles (device to device, no host hop, no message)"
         )
+    over = " over NCCL, a GPU per rank (device to device)" if collective == NCCL else ""
     if replicas > 1:
         return BROADCAST, (
             f"{replicas} replicas hold the same shards: one broadcast per transfer to the {replicas} copies of "
-            f"its engine rank, where point to point would send it {replicas} times"
+            f"its engine rank{over}, where point to point would send it {replicas} times"
         )
-    return P2P, "one replica: a broadcast to one engine rank is a send, and its group one rendezvous more"
+    return (
+        P2P,
+        f"one replica: a broadcast to one engine rank is a send, and its group one rendezvous more{over}",
+    )
 
 
 #: the data plane of the `reshard` backend's worlds: "auto" (choose_data_plane), "p2p", "broadcast" or "ipc"
 PLANE_ENV = "WEIGHTSYNC_RESHARD_PLANE"
 
 
-def data_plane(replicas: int, asked: str | None = None, device: str = "cpu") -> tuple[str, str]:
-    """The data plane a world of `replicas` engine replicas on `device` uses, and why: `asked` (else
-    PLANE_ENV, else "auto", which chooses)."""
+def data_plane(
+    replicas: int, asked: str | None = None, device: str = "cpu", collective: str = GLOO
+) -> tuple[str, str]:
+    """The data plane a world of `replicas` engine replicas on `device` (over `collective`) uses, and
+    why: `asked` (else PLANE_ENV, else "auto", which chooses)."""
     asked = asked or os.environ.get(PLANE_ENV) or "auto"
     if asked == "auto":
-        return choose_data_plane(replicas, device)
+        return choose_data_plane(replicas, device, collective)
     if asked not in DATA_PLANES:
         raise BackendError(f"{PLANE_ENV}={asked!r}: expected auto, {', '.join(DATA_PLANES)}")
     if asked == BROADCAST and replicas < 2:
@@ -116,9 +123,10 @@ def join_broadcast_groups(
             continue
         prefix = dist.PrefixStore(f"{world['prefix']}/broadcast-{s}-{d}", store)
         me = 0 if role == "trainer" else 1 + replica
-        groups[(s, d)] = GroupBroadcast(
-            dist.ProcessGroupGloo(prefix, me, len(members), join), world["timeout_s"]
+        pg = new_group(
+            world.get("collective", GLOO), prefix, me, len(members), join, rank_device(world, members[me])
         )
+        groups[(s, d)] = GroupBroadcast(pg, world["timeout_s"])
     return groups
 
 
@@ -168,11 +176,15 @@ def check_local_shards(plan: ReshardPlan, rank: int, local: Mapping[str, torch.T
         )
 
 
-def _source_bytes(t: Transfer, local: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _source_bytes(
+    t: Transfer, local: Mapping[str, torch.Tensor], wire: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Transfer `t`'s bytes cut from the trainer rank's `local` shards, on `wire` (host memory for gloo, a
+    GPU shard's bytes go through it; the rank's GPU for NCCL)."""
     rows = local[t.source][t.src_rows[0] : t.src_rows[1]]
     if t.cols is not None:
         rows = rows[:, t.cols[0] : t.cols[1]]
-    data = _bytes(rows.contiguous().cpu())  # gloo carries host memory: a GPU shard's bytes go through it
+    data = _bytes(rows.contiguous().to(wire))
     if data.numel() != t.nbytes:  # the plan reads past the local shard: refuse, never send a short message
         raise ManifestMismatch(
             f"trainer rank {t.src}: the plan cuts {t.nbytes} B, its local shard {tuple(local[t.source].shape)} "
@@ -190,18 +202,19 @@ def send_shards(
     replicas: int = 1,
     pg: dist.ProcessGroup | None = None,
     timeout_s: float | None = None,
+    wire: str | torch.device = "cpu",
 ) -> int:
     """Send every transfer trainer `rank` owns to each of `replicas` replicas (point to point); returns the
     bytes sent. `batched`: every send posted at once, then waited for in plan order; else one after
     another, `before_send(k)` called before the k-th (k = 0, 1, ...). `pg`: the world's process group
     where it is not the default one (its ranks numbered as `plan.world_rank` numbers them), each wait on
-    it bounded by `timeout_s`."""
+    it bounded by `timeout_s`. `wire`: where the collective takes its messages (`collective.wire_device`)."""
     check_local_shards(plan, rank, local)
     todo = [(i, t, q) for i, t in plan.sends_of(rank) for q in range(replicas)]
     sent = 0
     if batched:
         works = [
-            _post(_op("send", pg, timeout_s), _source_bytes(t, local), t, i, "trainer", rank, plan, q)
+            _post(_op("send", pg, timeout_s), _source_bytes(t, local, wire), t, i, "trainer", rank, plan, q)
             for i, t, q in todo
         ]
         return _waited([(i, t) for i, t, _ in todo], works, "trainer", rank)
@@ -209,7 +222,7 @@ def send_shards(
         if before_send is not None:
             before_send(k)
         _wait(
-            _post(_op("send", pg, timeout_s), _source_bytes(t, local), t, i, "trainer", rank, plan, q),
+            _post(_op("send", pg, timeout_s), _source_bytes(t, local, wire), t, i, "trainer", rank, plan, q),
             t,
             i,
             "trainer",
@@ -220,14 +233,20 @@ def send_shards(
 
 
 def broadcast_shards(
-    plan: ReshardPlan, rank: int, local: Mapping[str, torch.Tensor], groups: Mapping[tuple[int, int], object]
+    plan: ReshardPlan,
+    rank: int,
+    local: Mapping[str, torch.Tensor],
+    groups: Mapping[tuple[int, int], object],
+    wire: str | torch.device = "cpu",
 ) -> int:
     """Trainer `rank`'s transfers, each one broadcast to the copies of its engine rank on every replica
     (`groups[(rank, engine rank)]`, made from `rank_groups`): posted at once, waited for in plan order.
     Returns the bytes this rank put in (each transfer once, whatever the number of replicas)."""
     check_local_shards(plan, rank, local)
     todo = plan.sends_of(rank)
-    works = [_post_broadcast(_source_bytes(t, local), t, i, "trainer", rank, plan, groups) for i, t in todo]
+    works = [
+        _post_broadcast(_source_bytes(t, local, wire), t, i, "trainer", rank, plan, groups) for i, t in todo
+    ]
     return _waited(todo, works, "trainer", rank)
 
 

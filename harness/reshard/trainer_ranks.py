@@ -24,6 +24,7 @@ from harness.api import RankFailure, RankInfo, TransferError
 from harness.paths.ipc import sweep_abandoned_segments
 from harness.procs import describe_exit, process_state
 from harness.reshard import ipc_plane
+from harness.reshard.collective import GLOO, new_group, rank_device, wire_device
 from harness.reshard.gpu_bench import views
 from harness.reshard.layout import DTYPES, ModelShape, chunk_rows
 from harness.reshard.plan import plan_for_names
@@ -64,19 +65,28 @@ class _Rank:
         self.groups: dict[tuple[int, int], Any] = {}
         self.store: dist.Store | None = None  # the world's store, where the ipc plane names its buffers
         self.buffer: ipc_plane.TrainerShardBuffer | None = None  # the ipc plane's: this rank's shards
+        self.wire = torch.device("cpu")  # where its messages lie for the world's collective
 
     def join(self, w: dict) -> None:
         join = datetime.timedelta(seconds=w["join_s"])  # forming the world: every rank connects to every rank
         if self.world is not None:
             self.broken.append(self.world)
         store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
-        self.world = dist.ProcessGroupGloo(dist.PrefixStore(w["prefix"], store), self.rank, w["size"], join)
+        device = rank_device(w, self.rank)  # where this rank's shards live (with NCCL, a GPU of its own)
+        self.world = new_group(
+            w.get("collective", GLOO),
+            dist.PrefixStore(w["prefix"], store),
+            self.rank,
+            w["size"],
+            join,
+            device,
+        )
+        self.wire = wire_device(w, self.rank)  # where its messages lie: host memory for gloo
         self.timeout_s = w["timeout_s"]  # each transfer's bound
         self.broken += [g.pg for g in self.groups.values()]
         self.plane = w.get("plane", P2P)
         self.groups = join_broadcast_groups(store, w, "trainer", self.rank) if self.plane == BROADCAST else {}
         self.store = dist.PrefixStore(f"{w['prefix']}/ipc", store)
-        device = w.get("device", "cpu")
         if device != "cpu":  # its CUDA context now, within the join's bound, not in the first sync's
             torch.empty(1, device=device)
         if self.plane == IPC and (self.buffer is None or str(self.buffer.device) != device):
@@ -112,9 +122,15 @@ class _Rank:
                 self.store, p["sync"], plan, self.rank, self.buffer, local, p["replicas"], self.timeout_s
             )
         if self.plane == BROADCAST:  # each transfer once, to its engine rank on every replica
-            return broadcast_shards(plan, self.rank, local, self.groups)
+            return broadcast_shards(plan, self.rank, local, self.groups, self.wire)
         return send_shards(
-            plan, self.rank, local, replicas=p["replicas"], pg=self.world, timeout_s=self.timeout_s
+            plan,
+            self.rank,
+            local,
+            replicas=p["replicas"],
+            pg=self.world,
+            timeout_s=self.timeout_s,
+            wire=self.wire,
         )
 
 

@@ -12,13 +12,15 @@ import time
 
 import pytest
 import torch
+from torch.distributed import HashStore
 
 from harness.api import BackendError, GenerationRequest
 from harness.backends.reshard import ReshardBackend
 from harness.checks import bitwise_mismatches
 from harness.deployment import push
+from harness.reshard.collective import NCCL, new_group, placement
 from harness.reshard.oracle import expected_engine_shards
-from harness.reshard.sync import PLANE_ENV
+from harness.reshard.sync import PLANE_ENV, choose_data_plane
 
 pytestmark = pytest.mark.multiproc
 
@@ -134,3 +136,77 @@ def test_a_world_whose_engine_never_joins_is_named_and_formed_again_once(tmp_pat
         push(dep, 1, {n: torch.randn(s.shape) for n, s in spec.items()})
         assert [h.engine.weight_version for h in dep.handles] == [1, 1]
         assert dep.restarts >= 1, dep.restarts
+
+
+# ------------------------------------------------------------------ a GPU per rank: the NCCL variant
+@pytest.mark.parametrize(
+    ("device", "gpus", "want"),
+    [
+        ("cpu", 0, ("gloo", ["cpu"] * 7)),
+        ("cuda", 1, ("gloo", ["cuda"] * 7)),  # one GPU for all: the ipc plane, gloo forms the world
+        ("cuda", 6, ("gloo", ["cuda"] * 7)),  # one GPU short of a GPU per rank
+        ("cuda", 8, ("nccl", [f"cuda:{i}" for i in range(7)])),
+    ],
+)
+def test_a_world_takes_nccl_only_with_a_gpu_per_rank(device, gpus, want):
+    assert placement(7, device, gpus) == want, (device, gpus, placement(7, device, gpus))
+
+
+def test_with_a_gpu_per_rank_the_plane_moves_messages_over_nccl_and_says_so():
+    for replicas, plane in ((1, "p2p"), (2, "broadcast")):
+        got, why = choose_data_plane(replicas, "cuda", NCCL)
+        assert got == plane and "NCCL" in why, (replicas, got, why)
+    assert choose_data_plane(2, "cuda")[0] == "ipc"  # one GPU for every rank
+
+
+def test_on_a_host_with_a_gpu_per_rank_the_backend_declares_the_nccl_ceiling(monkeypatch):
+    from harness.backends import reshard
+
+    monkeypatch.setattr(reshard, "gpu_count", lambda device: 8)  # 3 + 2 x 2 ranks: 7 GPUs needed
+    backend = ReshardBackend(trainer_ranks=3, tp=2, device="cuda")
+    assert (backend.collective, backend.ceiling) == ("nccl", "nccl"), backend.floor_reason
+    monkeypatch.setattr(reshard, "gpu_count", lambda device: 6)
+    assert ReshardBackend(trainer_ranks=3, tp=2, device="cuda").ceiling == "device-copy"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a host without a GPU")
+def test_an_nccl_world_on_a_host_without_gpus_is_refused_naming_the_rank():
+    import datetime
+
+    store = HashStore()
+    with pytest.raises(BackendError, match="rank 3 has 'cuda:3'.*0 GPU"):
+        new_group(NCCL, store, 3, 7, datetime.timedelta(seconds=5), "cuda:3")
+    with pytest.raises(BackendError, match="not 'mpi'"):
+        new_group("mpi", store, 0, 1, datetime.timedelta(seconds=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 7, reason="needs a GPU per rank: 3 trainer ranks + 2 engines x TP 2 = 7 GPUs"
+)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_with_a_gpu_per_rank_each_engine_rank_receives_its_shards_over_nccl(tmp_path, monkeypatch, replicas):
+    """The NCCL variant: every trainer and engine rank on a GPU of its own; each engine rank's live shards
+    on its GPU are the oracle's cut bit for bit, each at the plan's minimum bytes."""
+    monkeypatch.delenv(PLANE_ENV, raising=False)
+    backend = ReshardBackend(trainer_ranks=3, tp=2, timeout_s=60.0, device="cuda")
+    assert backend.ceiling == "nccl", backend.floor_reason
+    with backend.deploy(replicas, None, str(tmp_path)) as dep:
+        assert dep.collective == "nccl" and dep.sender.plane in ("p2p", "broadcast"), dep.sender.plane_why
+        spec = dep.handles[0].engine.weight_spec()
+        plan = dep.sender.plan(list(spec))
+        minimum = plan.minimum_bytes()
+        gen = torch.Generator().manual_seed(13)
+        for version in (1, 2):
+            weights = {n: torch.randn(s.shape, generator=gen).to(s.dtype).cuda() for n, s in spec.items()}
+            push(dep, version, weights)
+            full = {n: t.cpu() for n, t in weights.items()}
+            for q, h in enumerate(dep.handles):
+                got = {f"engine {r}": b for r, b in enumerate(h.receiver.received_bytes)}
+                assert got == {k: v for k, v in minimum.items() if k != "total"}, (version, q, got, minimum)
+                for r, shards in enumerate(h.engine.read_shards()):
+                    want = expected_engine_shards(full, plan.engine, r)
+                    wrong = bitwise_mismatches({n: want[n] for n in shards}, shards)
+                    assert not wrong, f"version {version}, replica {q}, engine rank {r}: {wrong[:3]}"
+                leader = {str(t.device) for t in h.engine.rank.live.values()}
+                assert leader == {dep.devices[3 + 2 * q]}, (q, leader, dep.devices)
