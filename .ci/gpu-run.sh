@@ -52,6 +52,10 @@ else
     timeout 150 python3 -m pytest suites/performance/test_reshard_backend.py -m gpu -q -s -p no:cacheprovider \
       > "$run/reshard-gpu-tests.log" 2>&1
     echo "reshard gpu tests exit $?"; grep -E "passed|failed|Error|ipc plane" "$run/reshard-gpu-tests.log" | tail -8
+    # the cells that recover a world inside a push, alone, each recovery's steps timed (stderr, -s)
+    timeout 150 python3 -m pytest suites/faults/test_fault_matrix.py -k "reshard-receiver-kill" -q -s -p no:cacheprovider \
+      --weightsync-backend=reshard --weightsync-device=cuda:0 -m "not docker and not slow" > "$run/reshard-recovery.log" 2>&1
+    echo "reshard receiver-kill cells exit $?"; grep -E "reshard recovery|passed|failed" "$run/reshard-recovery.log" | tail -8
     set -- --backend reshard --trainer-ranks 3 --tp 2 "$@"
   fi
   start=$(date +%s)
