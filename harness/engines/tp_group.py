@@ -22,6 +22,8 @@ from harness import warm
 from harness.procs import describe_exit, pid_alive, process_state
 
 READY_KEY = "ranks-up"
+#: each worker rank adds 1 once its rank is built (its shards on its device) and it waits for commands
+BUILT_KEY = "ranks-built"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +118,22 @@ class WorkerProcesses:
         self._wait_up(start_within_s)
 
     def _wait_up(self, within_s: float) -> None:
+        self._wait_for(READY_KEY, "up", within_s)
+
+    def wait_built(self, within_s: float) -> None:
+        """Until every worker rank has built its rank and waits for commands (a GPU rank's CUDA context
+        can take longer than the group's timeout, which bounds each command: the first would time out on
+        a rank still building), or raise naming each rank's state after `within_s`."""
+        self._wait_for(BUILT_KEY, "built", within_s)
+
+    def _wait_for(self, key: str, what: str, within_s: float) -> None:
         deadline = time.monotonic() + within_s
-        while (up := self.store.add(READY_KEY, 0)) < self.m - 1:
+        while (done := self.store.add(key, 0)) < self.m - 1:
             if time.monotonic() > deadline or any(p.exitcode is not None for p in self.procs):
                 states = self.describe()
                 self.close(0)
                 raise RuntimeError(
-                    f"TP group of {self.m}: {up} of {self.m - 1} worker ranks up in {within_s:g}s; {states}"
+                    f"TP group of {self.m}: {done} of {self.m - 1} worker ranks {what} in {within_s:g}s; {states}"
                 )
             time.sleep(0.05)  # polling a counter in the store: no event to wait on across processes
 

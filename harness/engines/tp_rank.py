@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from harness.engines import tp_model
 from harness.engines.tp_group import (
+    BUILT_KEY,
     READY_KEY,
     GlooCollectives,
     GroupInfo,
@@ -357,6 +358,7 @@ def rank_main(
             pg,
             device=rank_device_of(device, info.rank),
         )
+        store.add(BUILT_KEY, 1)  # built: the leader's first command may come now
         while True:
             op, payload = receive_command(pg, idle_s)
             if op == STOP:

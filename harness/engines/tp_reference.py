@@ -106,6 +106,7 @@ class TPReferenceEngine(BatchingEngine):
             self.rank = load_object(rank_impl)(
                 0, tp, shape, dtype, seed, self._pg, device=rank_device_of(device, 0)
             )
+            self.workers.wait_built(start_within_s)  # no command before every rank is in its loop
         except BaseException:
             self.workers.close(0)
             raise

@@ -334,6 +334,19 @@ def test_pause_keep_freezes_requests_through_a_commit_and_resumes_them_over_thei
 
 
 # ------------------------------------------------------------------------------------------ rank faults
+def test_a_worker_rank_slow_to_build_is_waited_for_at_start_not_timed_out_by_the_first_command():
+    """A worker rank that takes longer than the group timeout to build its rank after it came up (on a GPU
+    its CUDA context, beside other processes making theirs: the H100 run's first command timed out on it,
+    and the engine failed before it served anything) is waited for while the engine starts (bounded by
+    the start's own bound), so the first command finds every rank in its loop."""
+    engine = TPReferenceEngine(TP_MODEL, tp=2, timeout_s=1.0, rank_impl="fixtures.tp_ranks:SlowToBuildRank")
+    try:
+        (done,) = engine.generate([GenerationRequest("first", PROMPTS[0], 2)])
+        assert done.finish_reason == "length" and engine.failure is None, (done, engine.failure)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.serial
 @pytest.mark.not_quick  # 1.2 s killed, 5.2 s stopped (the group timeout)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
