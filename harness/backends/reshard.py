@@ -165,13 +165,12 @@ class ReshardDeployment(Deployment):
     def _engine(self, i: int) -> TPReferenceEngine:
         """Engine `i`: its ranks on their devices (with NCCL, each its own GPU)."""
         base = self.n_trainers + i * self.tp
-        devices = self.devices[base : base + self.tp]
         return TPReferenceEngine(
             self.model,
             tp=self.tp,
             dtype=DTYPE,
             timeout_s=self.timeout_s,
-            device=devices[0] if len(set(devices)) == 1 else devices,
+            device=self.devices[base : base + self.tp],
         )
 
     @property

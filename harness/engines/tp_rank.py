@@ -28,7 +28,7 @@ from harness.engines.tp_group import (
     receive_command,
 )
 from harness.reshard import ipc_plane
-from harness.reshard.collective import GLOO, new_group, rank_device, wire_device
+from harness.reshard.collective import join_world
 from harness.reshard.layout import DTYPES, EngineLayout, ModelShape, engine_layout
 from harness.reshard.oracle import expected_engine_shards
 from harness.reshard.plan import plan_for_names
@@ -189,22 +189,11 @@ class TPRank:
         """Join the resharded sync's world (its store at `w["port"]`, under `w["prefix"]`) as world rank
         `w["base"]` + this rank: a collective of every trainer and engine rank of the world, given
         `w["join_s"]` to form; each transfer in it is then bounded by `w["timeout_s"]`."""
-        import datetime
-
-        join = datetime.timedelta(seconds=w["join_s"])
         if self.world is not None:
             self._broken_worlds.append(self.world)
-        store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
         self.world_rank = w["base"] + self.rank
-        self.world = new_group(
-            w.get("collective", GLOO),
-            dist.PrefixStore(w["prefix"], store),
-            self.world_rank,
-            w["size"],
-            join,
-            rank_device(w, self.world_rank),
-        )
-        self.wire = wire_device(w, self.world_rank)  # where its messages land: host memory for gloo
+        # its wire: where its messages land (host memory for gloo)
+        store, self.world, self.wire = join_world(w, self.world_rank)
         self.world_timeout_s = w["timeout_s"]
         self._broken_worlds += [g.pg for g in self.groups.values()]
         self.plane = w.get("plane", P2P)

@@ -55,6 +55,23 @@ def wire_device(world: Mapping, world_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def join_world(w: Mapping, world_rank: int) -> tuple[dist.Store, dist.ProcessGroup, torch.device]:
+    """World rank `world_rank` joins the resharding world `w` (its store at `w["port"]`, under
+    `w["prefix"]`, given `w["join_s"]` to form, on `w["collective"]`): (its client of the world's store,
+    its group, its wire device). What a trainer rank and an engine rank both do to join."""
+    join = datetime.timedelta(seconds=w["join_s"])  # forming the world: every rank connects to every rank
+    store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
+    pg = new_group(
+        w.get("collective", GLOO),
+        dist.PrefixStore(w["prefix"], store),
+        world_rank,
+        w["size"],
+        join,
+        rank_device(w, world_rank),
+    )
+    return store, pg, wire_device(w, world_rank)
+
+
 def new_group(
     collective: str,
     store: dist.Store,

@@ -9,7 +9,6 @@ one that does not answer in time with its kernel state, and either is replaced b
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ from harness.api import RankFailure, RankInfo, TransferError
 from harness.paths.ipc import sweep_abandoned_segments
 from harness.procs import describe_exit, process_state
 from harness.reshard import ipc_plane
-from harness.reshard.collective import GLOO, new_group, rank_device, wire_device
+from harness.reshard.collective import join_world, rank_device
 from harness.reshard.gpu_bench import views
 from harness.reshard.layout import DTYPES, ModelShape, chunk_rows
 from harness.reshard.plan import plan_for_names
@@ -68,20 +67,11 @@ class _Rank:
         self.wire = torch.device("cpu")  # where its messages lie for the world's collective
 
     def join(self, w: dict) -> None:
-        join = datetime.timedelta(seconds=w["join_s"])  # forming the world: every rank connects to every rank
         if self.world is not None:
             self.broken.append(self.world)
-        store = dist.TCPStore("127.0.0.1", w["port"], w["size"], is_master=False, timeout=join)
+        # its wire: where its messages lie (host memory for gloo)
+        store, self.world, self.wire = join_world(w, self.rank)
         device = rank_device(w, self.rank)  # where this rank's shards live (with NCCL, a GPU of its own)
-        self.world = new_group(
-            w.get("collective", GLOO),
-            dist.PrefixStore(w["prefix"], store),
-            self.rank,
-            w["size"],
-            join,
-            device,
-        )
-        self.wire = wire_device(w, self.rank)  # where its messages lie: host memory for gloo
         self.timeout_s = w["timeout_s"]  # each transfer's bound
         self.broken += [g.pg for g in self.groups.values()]
         self.plane = w.get("plane", P2P)

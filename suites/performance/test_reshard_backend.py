@@ -75,6 +75,27 @@ def test_a_data_plane_that_cannot_be_is_refused_at_deploy_naming_the_setting(
         ReshardBackend(trainer_ranks=3, tp=2, timeout_s=30.0).deploy(replicas, None, str(tmp_path))
 
 
+def _push_twice_and_check_every_engine_shard(dep, seed: int, also=lambda version, minimum: None) -> None:
+    """Push versions 1 and 2 from the GPU into `dep`; after each, every engine rank of every replica received
+    the plan's minimum and holds the oracle's cut bit for bit, then `also(version, the plan's minimum)`."""
+    spec = dep.handles[0].engine.weight_spec()
+    plan = dep.sender.plan(list(spec))
+    minimum = plan.minimum_bytes()
+    gen = torch.Generator().manual_seed(seed)
+    for version in (1, 2):
+        weights = {n: torch.randn(s.shape, generator=gen).to(s.dtype).cuda() for n, s in spec.items()}
+        push(dep, version, weights)
+        full = {n: t.cpu() for n, t in weights.items()}
+        for q, h in enumerate(dep.handles):
+            got = {f"engine {r}": b for r, b in enumerate(h.receiver.received_bytes)}
+            assert got == {k: v for k, v in minimum.items() if k != "total"}, (version, q, got, minimum)
+            for r, shards in enumerate(h.engine.read_shards()):
+                want = expected_engine_shards(full, plan.engine, r)
+                wrong = bitwise_mismatches({n: want[n] for n in shards}, shards)
+                assert not wrong, f"version {version}, replica {q}, engine rank {r}: {wrong[:3]}"
+        also(version, minimum)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -87,25 +108,15 @@ def test_on_one_gpu_engine_ranks_read_the_trainer_ranks_shards_over_cuda_ipc(tmp
     assert (backend.ceiling, backend.capabilities.gpu) == ("device-copy", True)
     with backend.deploy(replicas, None, str(tmp_path)) as dep:
         assert dep.sender.plane == "ipc", (dep.sender.plane, dep.sender.plane_why)
-        spec = dep.handles[0].engine.weight_spec()
-        plan = dep.sender.plan(list(spec))
-        minimum = plan.minimum_bytes()
-        gen = torch.Generator().manual_seed(11)
-        for version in (1, 2):
-            weights = {n: torch.randn(s.shape, generator=gen).to(s.dtype).cuda() for n, s in spec.items()}
-            push(dep, version, weights)
-            full = {n: t.cpu() for n, t in weights.items()}
-            for q, h in enumerate(dep.handles):
-                got = {f"engine {r}": b for r, b in enumerate(h.receiver.received_bytes)}
-                assert got == {k: v for k, v in minimum.items() if k != "total"}, (version, q, got, minimum)
-                for r, shards in enumerate(h.engine.read_shards()):
-                    want = expected_engine_shards(full, plan.engine, r)
-                    wrong = bitwise_mismatches({n: want[n] for n in shards}, shards)
-                    assert not wrong, f"version {version}, replica {q}, engine rank {r}: {wrong[:3]}"
+
+        def on_the_device_and_sent_once_per_replica(version: int, minimum: dict) -> None:
+            for h in dep.handles:
                 live = h.engine.rank.live
                 assert all(t.is_cuda for t in live.values()), {n: t.device for n, t in live.items()}
                 assert h.engine.weight_version == version
             assert sum(dep.sender.sent_bytes) == replicas * minimum["total"], dep.sender.sent_bytes
+
+        _push_twice_and_check_every_engine_shard(dep, 11, on_the_device_and_sent_once_per_replica)
         (done,) = dep.handles[0].engine.generate([GenerationRequest("gpu", (1, 2, 3), 4)])
         print(f"reshard 3 -> {replicas} x TP 2 on {torch.cuda.get_device_name()}: ipc plane, {done}")
         assert len(done.token_ids) == 4, done
@@ -193,20 +204,10 @@ def test_with_a_gpu_per_rank_each_engine_rank_receives_its_shards_over_nccl(tmp_
     assert backend.ceiling == "nccl", backend.floor_reason
     with backend.deploy(replicas, None, str(tmp_path)) as dep:
         assert dep.collective == "nccl" and dep.sender.plane in ("p2p", "broadcast"), dep.sender.plane_why
-        spec = dep.handles[0].engine.weight_spec()
-        plan = dep.sender.plan(list(spec))
-        minimum = plan.minimum_bytes()
-        gen = torch.Generator().manual_seed(13)
-        for version in (1, 2):
-            weights = {n: torch.randn(s.shape, generator=gen).to(s.dtype).cuda() for n, s in spec.items()}
-            push(dep, version, weights)
-            full = {n: t.cpu() for n, t in weights.items()}
+
+        def each_leader_on_its_own_gpu(version: int, minimum: dict) -> None:
             for q, h in enumerate(dep.handles):
-                got = {f"engine {r}": b for r, b in enumerate(h.receiver.received_bytes)}
-                assert got == {k: v for k, v in minimum.items() if k != "total"}, (version, q, got, minimum)
-                for r, shards in enumerate(h.engine.read_shards()):
-                    want = expected_engine_shards(full, plan.engine, r)
-                    wrong = bitwise_mismatches({n: want[n] for n in shards}, shards)
-                    assert not wrong, f"version {version}, replica {q}, engine rank {r}: {wrong[:3]}"
                 leader = {str(t.device) for t in h.engine.rank.live.values()}
-                assert leader == {dep.devices[3 + 2 * q]}, (q, leader, dep.devices)
+                assert leader == {dep.devices[3 + 2 * q]}, (version, q, leader, dep.devices)
+
+        _push_twice_and_check_every_engine_shard(dep, 13, each_leader_on_its_own_gpu)
