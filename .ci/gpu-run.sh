@@ -1,7 +1,7 @@
 # The GPU run (device machine, one call per mode): the product's own commands on the GPU, as a user runs them.
 #   bash .ci/gpu-run.sh bench   [sizes in MiB...]   (default: 256 1024 4096 16384)
 #   bash .ci/gpu-run.sh certify [certify args...]   (default: every GPU path this host runs, default sizes)
-#   bash .ci/gpu-run.sh profile [pushes]            (default: 200)
+#   bash .ci/gpu-run.sh profile [pushes]            (default: 200; the bare row and 8 x 4 KiB in place)
 #   bash .ci/gpu-run.sh reshard [certify args...]   (the reshard backend on the GPU: its GPU tests, then
 #                                                    `certify --backend reshard --trainer-ranks 3 --tp 2`)
 # bench: the GPU tests (device digests; engines on the device and the zero-copy CUDA IPC path), then
@@ -24,13 +24,15 @@ nvidia-smi -L > "$run/gpus.txt"; nproc >> "$run/gpus.txt"
 python3 -c 'import torch,triton;print(torch.__version__, triton.__version__, torch.cuda.device_count())' >> "$run/gpus.txt"
 cat "$run/gpus.txt"
 if [ "$mode" = profile ]; then
-  # where the same-GPU sync's fixed cost goes: the bare lifecycle profiled, handle reuse off/on twice (A/B/A/B)
-  for arm in 0a 1a 0b 1b; do
-    WEIGHTSYNC_IPC_REUSE_HANDLES=${arm%?} timeout 120 python3 -m harness.profile_push --backend ipc --device cuda \
-      --pushes ${1:-200} --out "$run/profile-ipc-reuse$arm" > "$run/profile-ipc-reuse$arm.log" 2>&1
-    echo "profile ipc reuse=$arm exit $?"; python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print({k:d[k] for k in d if k.endswith('ms')})" "$run/profile-ipc-reuse$arm/summary.json"
+  # where the same-GPU sync's fixed cost goes: the bare row (8 two-byte tensors: packed) and 8 tensors of 4 KiB
+  # (whole words: read in place, as the bench's sized rows are), interleaved A/B/A/B
+  for arm in bare-a inplace-a bare-b inplace-b; do
+    size=(); [ "${arm%-?}" = inplace ] && size=(--tensor-bytes 4096)
+    timeout 120 python3 -m harness.profile_push --backend ipc --device cuda --pushes ${1:-200} "${size[@]}" \
+      --out "$run/profile-ipc-$arm" > "$run/profile-ipc-$arm.log" 2>&1
+    echo "profile ipc $arm exit $?"; python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print({k:d[k] for k in d if k.endswith('ms')})" "$run/profile-ipc-$arm/summary.json"
   done
-  timeout 120 python3 -m harness.profile_push --backend delta-ipc --device cuda --pushes ${1:-200} \
+  timeout 120 python3 -m harness.profile_push --backend delta-ipc --device cuda --pushes ${1:-200} --tensor-bytes 4096 \
     --out "$run/profile-delta-ipc" > "$run/profile-delta-ipc.log" 2>&1
   echo "profile delta-ipc exit $?"
 elif [ "$mode" = bench ]; then

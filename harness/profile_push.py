@@ -2,8 +2,10 @@
 
     python -m harness.profile_push --backend ipc --device cuda --pushes 200 --out DIR
 
-The payload is the bench's bare row (8 tensors of one bf16 element: nothing but the lifecycle). Four
-ways of pushing the same version, each the median of `--pushes`:
+The payload is the bench's bare row (8 tensors of one bf16 element: nothing but the lifecycle), or with
+`--tensor-bytes N` 8 tensors of N bytes each: on a GPU, whole 16-byte words take the same-GPU path's
+in-place read (the bench's sized rows do), where the bare row's odd sizes are packed. Four ways of
+pushing the same version, each the median of `--pushes`:
 
 - `after-gc`: a gc sweep before each push, as SyncBench's rows are timed (caches refilled as after a
   trainer's step);
@@ -39,6 +41,8 @@ from harness.devices import normalize, set_run_device
 from harness.registry import resolve_backend
 
 PROFILE_ENV = "WEIGHTSYNC_PROFILE_DIR"
+PROFILE_SKIP_ENV = "WEIGHTSYNC_PROFILE_SKIP"  # updates a rank lets pass before it profiles
+WARMUP = 20
 
 
 def _timed(deployment, weights, pushes: int, version, sweep: bool, laps_out=None) -> list[float]:
@@ -72,17 +76,26 @@ def _stats_text(paths: list[Path], top: int) -> str:
     return out.getvalue()
 
 
-def profile(backend_name: str, device: str, receivers: int, pushes: int, out: Path, top: int = 40) -> dict:
+def profile(
+    backend_name: str,
+    device: str,
+    receivers: int,
+    pushes: int,
+    out: Path,
+    top: int = 40,
+    tensor_bytes: int | None = None,
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     device = set_run_device(normalize(device))
     backend = resolve_backend(backend_name, device)
-    weights = payload(BARE_PAYLOAD_BYTES, device=device)
+    weights = payload(BARE_PAYLOAD_BYTES if tensor_bytes is None else 8 * tensor_bytes, device=device)
     version = iter(range(1, 1 << 30))
     summary: dict = {"backend": backend_name, "device": device, "receivers": receivers, "pushes": pushes}
+    summary["tensor_bytes"] = sorted({t.numel() * t.element_size() for t in weights.values()})
     with tempfile.TemporaryDirectory(prefix="profile-push-") as work:
         deployment = backend.deploy(receivers, spec_of(weights), work)
         try:
-            _timed(deployment, weights, 20, version, sweep=False)  # warm-up
+            _timed(deployment, weights, WARMUP, version, sweep=False)  # warm-up
             summary["after_gc_ms"] = _ms(_timed(deployment, weights, pushes, version, sweep=True))
             summary["warm_ms"] = _ms(_timed(deployment, weights, pushes, version, sweep=False))
         finally:
@@ -93,7 +106,7 @@ def profile(backend_name: str, device: str, receivers: int, pushes: int, out: Pa
         deployment = backend.deploy(receivers, spec_of(weights), work)
         take_ranks = getattr(deployment, "take_phases", lambda: [])
         try:
-            _timed(deployment, weights, 20, version, sweep=False)
+            _timed(deployment, weights, WARMUP, version, sweep=False)
             laps: list[dict] = []
             sender: list[dict] = []
             ranks: list[dict] = []
@@ -120,12 +133,14 @@ def profile(backend_name: str, device: str, receivers: int, pushes: int, out: Pa
         rank_dir = out / "ranks"
         rank_dir.mkdir(exist_ok=True)
         os.environ[PROFILE_ENV] = str(rank_dir)
+        os.environ[PROFILE_SKIP_ENV] = str(WARMUP)  # the ranks profile the timed pushes only
         try:
             deployment = backend.deploy(receivers, spec_of(weights), work)
         finally:
             os.environ.pop(PROFILE_ENV, None)
+            os.environ.pop(PROFILE_SKIP_ENV, None)
         try:
-            _timed(deployment, weights, 20, version, sweep=False)
+            _timed(deployment, weights, WARMUP, version, sweep=False)
             profiler = cProfile.Profile()
             times = []
             for _ in range(pushes):
@@ -153,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--receivers", type=int, default=1)
     parser.add_argument("--pushes", type=int, default=200)
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--tensor-bytes", type=int, default=None, help="8 tensors of this many bytes each")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    summary = profile(args.backend, args.device, args.receivers, args.pushes, args.out, args.top)
+    summary = profile(
+        args.backend, args.device, args.receivers, args.pushes, args.out, args.top, args.tensor_bytes
+    )
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -139,9 +139,19 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
         import cProfile
 
         profiler = cProfile.Profile()
-        profiler.enable()
+        # from the (skip+1)-th update on: the warm-up's pushes (and the digest kernel's compile) left out
+        skip = int(os.environ.get("WEIGHTSYNC_PROFILE_SKIP", "0"))
+        starts = 0
+
+        def before(op: str) -> None:
+            nonlocal starts
+            if op == "start_weight_update":
+                starts += 1
+                if starts == skip + 1:
+                    profiler.enable()
+
         try:
-            _serve(conn, rank, server)
+            _serve(conn, rank, server, before)
         finally:
             profiler.disable()
             profiler.dump_stats(os.path.join(profile_dir, f"rank{rank}-{os.getpid()}.pstats"))
@@ -149,13 +159,15 @@ def rank_main(conn, rank: int, receiver_path: str, engine_name: str | None, spec
     _serve(conn, rank, server)
 
 
-def _serve(conn, rank: int, server: RankServer) -> None:
-    """Answer the driver's calls until it says exit or goes away."""
+def _serve(conn, rank: int, server: RankServer, before=None) -> None:
+    """Answer the driver's calls until it says exit or goes away (`before(op)` first, where given)."""
     while True:
         try:
             header = wire.loads(conn.recv_bytes())
         except EOFError:  # parent went away
             return
+        if before is not None:
+            before(header["op"])
         tensors = wire.tensors_from_bytes(conn.recv_bytes()) if header.get("tensors") else None
         try:
             result, out = server.handle(header["op"], header.get("args", {}), tensors)

@@ -19,3 +19,12 @@ def test_profiles_the_trainer_and_every_rank_of_a_bare_push(tmp_path):
     for rank in (1, 2):  # each rank's own profile: the receiver's lifecycle calls ran there
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert "update_weights" in text and "finish_weight_update" in text, text[:2000]
+
+
+def test_tensor_bytes_sizes_every_tensor_of_the_pushed_payload(tmp_path):
+    # on a GPU whole 16-byte words take the same-GPU path's in-place read; the bare row's 2-byte tensors do not
+    args = ["--backend", "ipc", "--pushes", "3", "--tensor-bytes", "4096", "--out", str(tmp_path)]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tensor_bytes"] == [4096], summary
+    assert summary["warm_ms"] > 0, summary
