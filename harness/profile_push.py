@@ -4,12 +4,14 @@
 
 The payload is the bench's bare row (8 tensors of one bf16 element: nothing but the lifecycle), or with
 `--tensor-bytes N` 8 tensors of N bytes each: on a GPU, whole 16-byte words take the same-GPU path's
-in-place read (the bench's sized rows do), where the bare row's odd sizes are packed. Four ways of
+in-place read (the bench's sized rows do), where the bare row's odd sizes are packed. Five ways of
 pushing the same version, each the median of `--pushes`:
 
 - `after-gc`: a gc sweep before each push, as SyncBench's rows are timed (caches refilled as after a
   trainer's step);
 - `warm`: back to back, nothing between pushes;
+- `after-gc-frozen`: a gc sweep before each push with every object of this process frozen first
+  (`gc.freeze()`): the sweep walks nothing, so the gap to `after-gc` is what walking the heap costs;
 - `phases`: after a gc sweep with the phase marks recording (SyncBench's own setting: on a GPU each
   phase ends with a device synchronize), with the median of each step and phase;
 - `profiled`: after a gc sweep under cProfile, the trainer here and every rank process
@@ -98,6 +100,13 @@ def profile(
             _timed(deployment, weights, WARMUP, version, sweep=False)  # warm-up
             summary["after_gc_ms"] = _ms(_timed(deployment, weights, pushes, version, sweep=True))
             summary["warm_ms"] = _ms(_timed(deployment, weights, pushes, version, sweep=False))
+            # the same sweep with this process's objects frozen (gc.freeze(), as vLLM does once started): the
+            # collection then walks none of them, so what the sweep costs the push is its walk of the heap
+            gc.freeze()
+            try:
+                summary["after_gc_frozen_ms"] = _ms(_timed(deployment, weights, pushes, version, sweep=True))
+            finally:
+                gc.unfreeze()
         finally:
             deployment.close()
         # phases on: SyncBench's setting (ranks read it when they start, so a deployment of its own)

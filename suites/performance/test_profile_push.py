@@ -11,7 +11,7 @@ from harness.profile_push import main
 def test_profiles_the_trainer_and_every_rank_of_a_bare_push(tmp_path):
     assert main(["--backend", "ipc", "--receivers", "2", "--pushes", "5", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("after_gc_ms", "warm_ms", "phases_ms", "profiled_ms"):
+    for key in ("after_gc_ms", "warm_ms", "after_gc_frozen_ms", "phases_ms", "profiled_ms"):
         assert summary[key] > 0, (key, summary)
     assert set(summary["steps_ms"]) == {"start", "prepare", "transfer", "finish"}, summary
     assert "commit" in summary["receiver_phases_ms"], summary
