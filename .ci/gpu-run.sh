@@ -34,7 +34,7 @@ if [ "$mode" = profile ]; then
   done
   timeout 120 python3 -m harness.profile_push --backend delta-ipc --device cuda --pushes ${1:-200} --tensor-bytes 4096 \
     --out "$run/profile-delta-ipc" > "$run/profile-delta-ipc.log" 2>&1
-  echo "profile delta-ipc exit $?"
+  echo "profile delta-ipc exit $?"; python3 -c "import json,sys;d=json.load(open(sys.argv[1]));print({k:d[k] for k in d if k.endswith('ms')})" "$run/profile-delta-ipc/summary.json"
 elif [ "$mode" = bench ]; then
   sizes=${*:-256 1024 4096 16384}
   timeout 150 python3 -m pytest suites/meta/test_device_digest.py suites/meta/test_gpu_engine.py -q -p no:cacheprovider \
