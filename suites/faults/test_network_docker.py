@@ -287,6 +287,8 @@ def test_nemesis_oom_kill(docker_host):
                         mem_limit="256m", memswap_limit="256m")  # fmt: skip
     time.sleep(1.0)
     fault = OomKill(docker_host, c)
+    # held, memory filled: the trigger of a mid-transfer cell costs the last chunks, not an exec
+    assert fault.allocator_pid, "the held allocator did not start (inject() would exec one: seconds)"
     fault.inject()
     state = fault.wait(30)
     fault.heal()
