@@ -35,6 +35,9 @@ if [ $# -gt 0 ]; then
 fi
 # The property test draws 0-d tensors at random (not in every run), so under a strict xfail it would pass or
 # fail by the draw: finding skyrl-scalar-tensors is reproduced every run by test_scalar_and_empty_tensors_arrive.
-run suites/conformance -m "not slow" --deselect \
+# test_reshard.py's gloo worlds are the harness's own resharding sync (they take no --weightsync-backend): the
+# default tier runs them; here they ran a second time beside two other tiers, and their serial kill test
+# (a hang must surface within 3x the group timeout) failed under that load (2026-12-06).
+run suites/conformance -m "not slow" --ignore suites/conformance/test_reshard.py --deselect \
   "suites/conformance/test_bitwise.py::test_full_update_is_bitwise_for_any_dtype_and_shape"
 run suites/faults -m "faults and not slow and not docker"

@@ -608,6 +608,14 @@ while True:
 """
 
 
+def _runs_the_allocator(pid: int) -> bool:
+    """Whether process `pid` (a host pid) has exec'd the held allocator's script."""
+    try:
+        return b"signal.SIGUSR1" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def _catches_sigusr1(pid: int) -> bool:
     """Whether process `pid` (a host pid) has a handler for SIGUSR1: the held allocator is ready."""
     try:
@@ -645,8 +653,9 @@ class OomKill(NetworkPrimitive):
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             pid = int(api.exec_inspect(exec_id).get("Pid") or 0)
-            # held once its handler is set: a SIGUSR1 before that would end it (the default action)
-            if pid and _catches_sigusr1(pid):
+            # held once the interpreter runs the script (before that the pid may still be the runtime's
+            # init, which catches every signal) and has set its handler (a SIGUSR1 before would end it)
+            if pid and _runs_the_allocator(pid) and _catches_sigusr1(pid):
                 return pid
             time.sleep(0.02)
         return 0
