@@ -279,7 +279,9 @@ class _Rank:  # a rank of harness.launch.supervision's registry with a call in f
 def test_hangs(tmp_path):
     rank = _Rank(tmp_path / "rank1.log")
     supervision._LIVE_RANKS.add(rank)
-    Path(os.environ["HANG_READY"]).write_text(str(rank.pid))
+    ready = Path(os.environ["HANG_READY"])  # written whole, then named: the test signals once it exists
+    ready.with_suffix(".tmp").write_text(str(rank.pid))
+    ready.with_suffix(".tmp").replace(ready)
     time.sleep(60)  # the hang
 """
 
