@@ -280,8 +280,9 @@ def test_hangs(tmp_path):
     rank = _Rank(tmp_path / "rank1.log")
     supervision._LIVE_RANKS.add(rank)
     ready = Path(os.environ["HANG_READY"])  # written whole, then named: the test signals once it exists
-    ready.with_suffix(".tmp").write_text(str(rank.pid))
-    ready.with_suffix(".tmp").replace(ready)
+    partial = ready.with_suffix(".tmp")
+    partial.write_text(str(rank.pid))
+    partial.replace(ready)
     time.sleep(60)  # the hang
 """
 
