@@ -17,13 +17,15 @@ import torch
 from harness.api import TransferError
 from harness.checks import CellObservation, judge_cell
 from harness.faults.injectors import ForeignFile
+from suites.meta.warm_pytest import runpytest_warm
 
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.meta  # the suites run against broken implementations: a tier of its own
 
 
 def _faults(pytester, backends: str, k: str):
-    return pytester.runpytest_subprocess(
+    return runpytest_warm(
+        pytester,
         "--pyargs",
         "suites.faults",
         "-p",
@@ -71,7 +73,8 @@ def test_checkpoints_removed_wants_the_directory_named_not_the_writers_stock_phr
 
 def test_supervision_fails_a_delta_sender_that_ignores_reset_base(pytester):
     broken = "suites.meta.broken:make_base_keeping_delta_backend"
-    result = pytester.runpytest_subprocess(
+    result = runpytest_warm(
+        pytester,
         "--pyargs",
         "suites.conformance",
         "-p",

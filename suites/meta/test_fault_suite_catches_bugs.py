@@ -6,12 +6,15 @@ import time
 
 import pytest
 
+from suites.meta.warm_pytest import runpytest_warm
+
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.meta  # the suites run against broken implementations: a tier of its own
 
 
 def _run(pytester, backend: str, kind: str, *args):
-    return pytester.runpytest_subprocess(
+    return runpytest_warm(
+        pytester,
         "--pyargs",
         "suites.faults",
         "-p",

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from harness.pytest_plugin import UNKNOWN
+from suites.meta.warm_pytest import runpytest_warm
 
 pytest_plugins = ["pytester"]
 
@@ -17,7 +18,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.meta, pytest.mark.serial]  # th
 
 
 def _run(pytester, backend, *args):
-    return pytester.runpytest_subprocess(
+    return runpytest_warm(
+        pytester,
         "--pyargs",
         "suites.performance.test_sync_throughput",
         "-p",

@@ -13,6 +13,7 @@ import pytest
 
 from harness.reshard.plan import PLANNER_ENV
 from harness.reshard.sync import PLANE_ENV
+from suites.meta.warm_pytest import runpytest_warm
 
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.meta, pytest.mark.multiproc]
@@ -39,7 +40,8 @@ def _run(
         monkeypatch.delenv(PLANNER_ENV, raising=False)
     # this checkout's harness, fixtures and suites, whatever else is installed
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return pytester.runpytest_subprocess(
+    return runpytest_warm(
+        pytester,
         str(ROOT / "suites" / suite),
         "-p",
         "no:cacheprovider",

@@ -17,6 +17,7 @@ from harness.reshard.sync import chunk_locals, simulate
 from harness.reshard.world import ReshardWorld, job
 from suites.conformance.test_reshard import PLANNER_ENV, shard_problems
 from suites.meta.broken_reshard import kv_heads_round_robin_planner, off_by_one_row
+from suites.meta.warm_pytest import runpytest_warm
 
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.meta
@@ -79,7 +80,7 @@ def test_suite_fails_an_off_by_one_row_planner(pytester, monkeypatch):
     # this checkout's harness, fixtures and suites, whatever else is installed
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     suite = ROOT / "suites" / "conformance" / "test_reshard.py"
-    result = pytester.runpytest_subprocess(str(suite), "-p", "no:cacheprovider", "-k", "plan_fills")
+    result = runpytest_warm(pytester, str(suite), "-p", "no:cacheprovider", "-k", "plan_fills")
     assert result.parseoutcomes().get("failed", 0) == 1, result.stdout.str()[-3000:]
     result.stdout.fnmatch_lines(["*engine shard(s) wrong*"])
 
@@ -130,9 +131,7 @@ def _suite(pytester, monkeypatch, planner: str | None, select: str):
         monkeypatch.delenv(PLANNER_ENV, raising=False)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     suite = ROOT / "suites" / "conformance" / "test_reshard.py"
-    return pytester.runpytest_subprocess(
-        str(suite), "-p", "no:cacheprovider", "-p", "no:randomly", "-k", select
-    )
+    return runpytest_warm(pytester, str(suite), "-p", "no:cacheprovider", "-p", "no:randomly", "-k", select)
 
 
 @pytest.mark.multiproc

@@ -6,12 +6,14 @@ import json
 
 import pytest
 
+from suites.meta.warm_pytest import runpytest_warm
+
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.meta  # the suites run against broken implementations: a tier of its own
 
 
 def _run(pytester, *args):
-    return pytester.runpytest_subprocess("--pyargs", "suites.conformance", "-p", "no:cacheprovider", *args)
+    return runpytest_warm(pytester, "--pyargs", "suites.conformance", "-p", "no:cacheprovider", *args)
 
 
 def _assert_failed(result, failed: int, lines: list[str], passed: int | None = None) -> None:
@@ -84,8 +86,8 @@ def test_results_file_survives_a_killed_run_and_names_the_test_it_stopped_in(pyt
         """
     )
     results = pytester.path / "results.json"
-    run = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--weightsync-backend=disk", f"--weightsync-results={results}"
+    run = runpytest_warm(
+        pytester, "-p", "no:cacheprovider", "--weightsync-backend=disk", f"--weightsync-results={results}"
     )
     assert run.ret != 0, "the killed run reported success"
     data = json.loads(results.read_text())

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from suites.conformance.test_tp_engine import RANK_ENV
+from suites.meta.warm_pytest import runpytest_warm
 
 pytest_plugins = ["pytester"]
 pytestmark = [pytest.mark.meta, pytest.mark.multiproc]
@@ -21,8 +22,8 @@ def _suite(pytester, monkeypatch, rank: str, select: str):
     monkeypatch.setenv(RANK_ENV, rank)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     suite = ROOT / "suites" / "conformance" / "test_tp_engine.py"
-    return pytester.runpytest_subprocess(
-        str(suite), "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", "-k", select
+    return runpytest_warm(
+        pytester, str(suite), "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", "-k", select
     )
 
 
