@@ -1,7 +1,7 @@
-"""N trainer ranks and R engine replicas of M ranks each in one gloo world, spawned once and sent jobs:
+"""N trainer ranks and R engine replicas of M ranks each in one gloo world, started once and sent jobs:
 each job builds both layouts and the plan once, then syncs `steps` versions with it over the job's data
 plane (point to point, or broadcast per engine rank group) and judges every engine shard of every replica
-against the oracle. Starting a world costs seconds (N + M interpreters importing torch); a job on a
+against the oracle. Starting a world costs a second or so (N + M forks of harness.warm's server); a job on a
 tiny model costs a fraction of one, so a property test sends many jobs to one world.
 
     with ReshardWorld(n_trainers=3, n_engines=2) as world:
@@ -23,8 +23,8 @@ from typing import Self
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from harness import warm
 from harness.checks import bitwise_mismatches
 from harness.procs import describe_exit
 from harness.reshard.layout import ModelShape, engine_layout, full_weights, trainer_layout
@@ -249,7 +249,9 @@ class ReshardWorld:
         self.n, self.m, self.timeout_s, self.replicas = n_trainers, n_engines, timeout_s, replicas
         size = self.n + replicas * self.m
         self.broken = False
-        ctx = mp.get_context("spawn")
+        # forks of harness.warm's server (torch imported once): a spawned rank imported torch itself, 2-3
+        # CPU-seconds each, and the default tier starts about forty of them
+        ctx = warm.context(("harness.reshard.world",))
         self._reports = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(size)]
         # the parent hosts the store on a port the kernel picks and holds it for the world's life (a port
@@ -263,10 +265,11 @@ class ReshardWorld:
             timeout=datetime.timedelta(seconds=start_within_s),
         )
         port, prefix = self._store.port, f"reshard-{uuid.uuid4().hex}"
+        parent, world = warm.here(), (self.n, self.m, replicas, port, prefix)
         self.procs = [
             ctx.Process(
-                target=_rank_main,
-                args=(r, self.n, self.m, replicas, port, prefix, self._jobs[r], self._reports, timeout_s),
+                target=warm.inherit,
+                args=(parent, _rank_main, r, *world, self._jobs[r], self._reports, timeout_s),
                 daemon=True,
                 name=f"reshard-rank-{r}",
             )
