@@ -41,17 +41,6 @@ def pytest_configure(config: pytest.Config) -> None:
     control_target_of(config)  # a bad --weightsync-control-* combination is a usage error, before any test
 
 
-_HERE = Path(__file__).parent
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test of this suite carries the `control` marker: .ci/run runs the default tier's part of it
-    beside the fault matrix (`-m control`), so the two runs it has side by side end together."""
-    for item in items:
-        if _HERE in item.path.parents:
-            item.add_marker("control")
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A plain `pytest suites/control` stays quick: the slow tier (the load benchmark, real vLLM) runs
     when a marker expression selects it (`-m slow`, `-m vllm`), as the nox sessions do."""
