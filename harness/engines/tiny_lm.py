@@ -139,17 +139,32 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [kv_heads
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * w
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps)).to(x.dtype) * w
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin at `positions` ([T, head_dim / 2]): made once per forward and shared by every
+    layer's queries and keys (the tiny models spend most of a decode step in small ops like these)."""
+    inv = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
+    ang = positions.float()[:, None] * inv[None, :]
+    return ang.cos(), ang.sin()
+
+
+def _rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     # x: [heads, T, head_dim]
     hd = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd))
-    ang = positions.float()[:, None] * inv[None, :]
-    cos, sin = ang.cos(), ang.sin()
-    x1, x2 = x.float()[..., : hd // 2], x.float()[..., hd // 2 :]
+    cos, sin = tables if tables is not None else rope_tables(positions, hd, theta)
+    xf = x.float()
+    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
@@ -159,14 +174,16 @@ def attention(
     cached: tuple[torch.Tensor, torch.Tensor] | None,
     heads: tuple[int, int, int],
     theta: float,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal GQA attention of the rows of `qkv` (at positions `pos`) after the `cached` keys and values,
-    RoPE applied; `heads` = (query heads, kv heads, head dim). Returns the heads' outputs side by side
-    ([T, heads * head dim]) and the grown (k, v)."""
+    RoPE applied (`tables`: rope_tables(pos, ...), made here where not given); `heads` = (query heads, kv
+    heads, head dim). Returns the heads' outputs side by side ([T, heads * head dim]) and the grown (k, v)."""
     nh, nkv, hd = heads
+    tables = tables if tables is not None else rope_tables(pos, hd, theta)
     q, k, v = torch.split(qkv, [nh * hd, nkv * hd, nkv * hd], dim=-1)
-    q = _rope(q.view(-1, nh, hd).transpose(0, 1), pos, theta)
-    k = _rope(k.view(-1, nkv, hd).transpose(0, 1), pos, theta)
+    q = _rope(q.view(-1, nh, hd).transpose(0, 1), pos, theta, tables)
+    k = _rope(k.view(-1, nkv, hd).transpose(0, 1), pos, theta, tables)
     v = v.view(-1, nkv, hd).transpose(0, 1)
     if cached is not None:
         k = torch.cat([cached[0], k], dim=1)
@@ -190,12 +207,13 @@ def forward(
     pos = torch.arange(start, start + len(tokens), device=dev)
     x = live["model.embed_tokens.weight"][ids]
     hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    tables = rope_tables(pos, hd, cfg.rope_theta)
     new_cache: KVCache = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         h = _rms_norm(x, live[p + "input_layernorm.weight"], cfg.rms_eps)
         qkv = h @ live[p + "self_attn.qkv_proj.weight"].T
-        attn, kv = attention(qkv, pos, cache[i] if cache else None, (nh, nkv, hd), cfg.rope_theta)
+        attn, kv = attention(qkv, pos, cache[i] if cache else None, (nh, nkv, hd), cfg.rope_theta, tables)
         new_cache.append(kv)
         x = x + attn @ live[p + "self_attn.o_proj.weight"].T
         h = _rms_norm(x, live[p + "post_attention_layernorm.weight"], cfg.rms_eps)

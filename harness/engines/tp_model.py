@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from harness.engines.tiny_lm import ModelConfig, attention
+from harness.engines.tiny_lm import ModelConfig, attention, rope_tables
 from harness.engines.tiny_lm import _rms_norm as rms_norm  # the same math as the single-process model
 from harness.reshard.layout import DTYPES, ModelShape
 
@@ -97,6 +97,7 @@ def forward(
     x = comm.all_reduce(x)
     hd = shape.head_dim
     nh, nkv = local_heads(shape, m)
+    tables = rope_tables(pos, hd, ROPE_THETA)
     new_cache: RankKVCache = []
     for i in range(shape.layers):
         p = f"model.layers.{i}."
@@ -104,7 +105,7 @@ def forward(
         qkv = h @ shards[p + "self_attn.qkv_proj.weight"].T
         if shape.qkv_bias:
             qkv = qkv + shards[p + "self_attn.qkv_proj.bias"]
-        attn, kv = attention(qkv, pos, cache[i] if cache else None, (nh, nkv, hd), ROPE_THETA)
+        attn, kv = attention(qkv, pos, cache[i] if cache else None, (nh, nkv, hd), ROPE_THETA, tables)
         new_cache.append(kv)
         # o_proj is row-parallel: this rank's heads times its columns, a partial sum of the full product
         x = x + comm.all_reduce(attn @ shards[p + "self_attn.o_proj.weight"].T)
