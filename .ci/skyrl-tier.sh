@@ -15,8 +15,9 @@ venv=.ci-skyrl-venv
 if [ ! -f "$venv/.installed" ]; then
   rm -rf "$venv" && python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet --upgrade pip
-  "$venv/bin/python" -m pip install --quiet torch==2.13.0
-  "$venv/bin/python" -m pip install --quiet -e ".[dev]" -e ./adapters/skyrl pydantic cloudpathlib
+  # --no-compile: its tier compiles what it imports, not every module installed (.ci/run, the vLLM venv)
+  "$venv/bin/python" -m pip install --quiet --no-compile torch==2.13.0
+  "$venv/bin/python" -m pip install --quiet --no-compile -e ".[dev]" -e ./adapters/skyrl pydantic cloudpathlib
   wheels=$(mktemp -d)
   "$venv/bin/python" -m pip download --quiet skyrl==0.4.0 --no-deps --python-version 3.12 \
     --only-binary=:all: -d "$wheels"
