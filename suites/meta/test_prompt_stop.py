@@ -61,10 +61,14 @@ def _reap(procs: list[subprocess.Popen], started: list[int]) -> None:
         p.wait()
 
 
+REPEATS = 80
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: signal.Signals(s).name)
 def test_bench_stopped_mid_run_ends_within_the_bound_and_writes_its_rows(tmp_path, sig):
     cmd = [sys.executable, "-m", "harness.cli", "bench", "--backend", "broadcast", "--receivers", "2"]
-    cmd += ["--sizes-mib", "1", "4", "--repeats", "200", "--out", str(tmp_path)]
+    # repeats: rows long enough that the stop lands inside the second (the bare row alone took 30 s at 200)
+    cmd += ["--sizes-mib", "1", "4", "--repeats", str(REPEATS), "--out", str(tmp_path)]
     proc = _start(cmd, tmp_path / "bench.log", ENV)
     started: list[int] = []
     try:
