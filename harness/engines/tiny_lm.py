@@ -154,15 +154,10 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     return ang.cos(), ang.sin()
 
 
-def _rope(
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    theta: float,
-    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    # x: [heads, T, head_dim]
+def _rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [heads, T, head_dim], rotated by `tables` (rope_tables at its positions)."""
     hd = x.shape[-1]
-    cos, sin = tables if tables is not None else rope_tables(positions, hd, theta)
+    cos, sin = tables
     xf = x.float()
     x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -182,8 +177,8 @@ def attention(
     nh, nkv, hd = heads
     tables = tables if tables is not None else rope_tables(pos, hd, theta)
     q, k, v = torch.split(qkv, [nh * hd, nkv * hd, nkv * hd], dim=-1)
-    q = _rope(q.view(-1, nh, hd).transpose(0, 1), pos, theta, tables)
-    k = _rope(k.view(-1, nkv, hd).transpose(0, 1), pos, theta, tables)
+    q = _rope(q.view(-1, nh, hd).transpose(0, 1), tables)
+    k = _rope(k.view(-1, nkv, hd).transpose(0, 1), tables)
     v = v.view(-1, nkv, hd).transpose(0, 1)
     if cached is not None:
         k = torch.cat([cached[0], k], dim=1)

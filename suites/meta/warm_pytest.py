@@ -53,8 +53,8 @@ def runpytest_warm(pytester: pytest.Pytester, *args: str | os.PathLike[str], tim
     env, cwd, path = warm.here()
     # pytester.popen's rule: the folder the run starts in comes first on PYTHONPATH
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, env.get("PYTHONPATH", "")]))
-    front = [cwd, *filter(None, env["PYTHONPATH"].split(os.pathsep))]
-    path = [*dict.fromkeys([*front, *path])]  # a fresh `python -m` puts these first
+    # a fresh interpreter puts PYTHONPATH's folders (cwd among them) first on its import path
+    path = [*dict.fromkeys([*filter(None, env["PYTHONPATH"].split(os.pathsep)), *path])]
     out, err = pytester.path / "stdout", pytester.path / "stderr"
     print("running (warm fork): pytest", *cmd)
     print("     in:", cwd)
