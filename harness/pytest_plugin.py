@@ -434,9 +434,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("--hypothesis-profile", None):  # hypothesis's own option wins
         settings.load_profile(f"weightsync-{profile}")
     try:
-        _selection(config)
+        sel = _selection(config)
     except BackendError as exc:  # a usage error with the specific message, not an INTERNALERROR
         raise pytest.UsageError(str(exc)) from None
+    from harness import warm
+
+    warm.preload_for_run((*warm.engine_preload(sel.engine), *warm.engine_preload(sel.tied_engine)))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

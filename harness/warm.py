@@ -36,6 +36,12 @@ PRELOAD = (
     *dict.fromkeys(path.partition(":")[0] for path in BUILTIN_BACKENDS.values()),
 )
 
+#: What the run's engines need besides (`preload_for_run`, before the first boot): whichever caller boots the
+#: server first (a ceiling, a supervised rank, a deployment of the reference engine), the run's engine
+#: ranks are then forks of a server that has imported it. Without it a vLLM run's server booted by the
+#: first cell without vLLM, and each of its ranks imported vLLM itself: 72 % of the vLLM fault column's
+#: CPU samples (py-spy, 2026-12-07).
+_run_preload: tuple[str, ...] = ()
 _lock = threading.Lock()
 _booted: mp.context.BaseContext | None = None
 #: Seconds the fork server took to boot (import PRELOAD) in this process; None until it has.
@@ -51,7 +57,7 @@ def context(preload: tuple[str, ...] = ()) -> mp.context.BaseContext:
     with _lock:
         if _booted is None or not _server_alive():  # a server that died is booted again, here
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *preload))))
+            ctx.set_forkserver_preload(list(dict.fromkeys((*PRELOAD, *_run_preload, *preload))))
             t0 = time.monotonic()
             probe = ctx.Process(target=_noop, name="weightsync-warm-probe", daemon=True)
             probe.start()  # answered once the server has imported PRELOAD
@@ -59,6 +65,14 @@ def context(preload: tuple[str, ...] = ()) -> mp.context.BaseContext:
             boot_s = time.monotonic() - t0
             _booted = ctx
         return _booted
+
+
+def preload_for_run(modules: tuple[str, ...]) -> None:
+    """Modules every boot of this process's server imports from now on (the run's engines': the pytest
+    plugin names them when it configures the run)."""
+    global _run_preload
+    with _lock:
+        _run_preload = tuple(dict.fromkeys((*_run_preload, *modules)))
 
 
 def engine_preload(engine: str | None) -> tuple[str, ...]:

@@ -60,8 +60,15 @@ from harness.engines.vllm_settings import DEFAULT_KV_CACHE_BYTES, VllmSettings, 
 from harness.paths.disk import DiskSender
 
 #: What a rank's warm fork server imports for this engine (harness.warm.engine_preload): vLLM's own import
-#: takes seconds (16 s on a loaded 2-core host), which every rank (re)start would pay again.
-WARM_PRELOAD = ("vllm.entrypoints.llm", "vllm.inputs", "vllm.sampling_params")
+#: takes seconds (16 s on a loaded 2-core host), which every rank (re)start would pay again. The second
+#: line: what an engine's build imports on first use (its CPU worker and model classes: 28 % of a build's
+#: CPU samples in the vLLM fault matrix's ranks; they start no thread).
+WARM_PRELOAD = (
+    "vllm.entrypoints.llm", "vllm.inputs", "vllm.sampling_params",
+    "vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.sample.rejection_sampler",
+    "vllm.model_executor.layers.quantization.online.base", "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.qwen2",
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- in-process
